@@ -1,0 +1,51 @@
+"""Just enough of the Prometheus text format to read SGLang engine load."""
+
+from __future__ import annotations
+
+import math
+
+RUNNING = "sglang:num_running_reqs"
+QUEUED = (
+    "sglang:num_queue_reqs",
+    "sglang:num_prefill_bootstrap_queue_reqs",
+    "sglang:num_prefill_inflight_queue_reqs",
+    "sglang:num_decode_prealloc_queue_reqs",
+    "sglang:num_decode_transfer_queue_reqs",
+)
+GEN_THROUGHPUT = "sglang:gen_throughput"
+GEN_TOKENS = "sglang:generation_tokens_total"
+
+
+def parse(text: str) -> dict[str, float]:
+    """Sum of samples per metric name (label sets added together); comments skipped."""
+    totals: dict[str, float] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name = line[: line.index("{")]
+            rest = line[line.rindex("}") + 1 :].split()
+        else:
+            name, *rest = line.split()
+        if not rest:
+            continue
+        try:
+            value = float(rest[0])
+        except ValueError:
+            continue
+        if math.isnan(value):
+            continue
+        totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+def load_of(metrics: dict[str, float]) -> dict[str, float | None]:
+    """Running and queued requests and token progress; None for a metric the engine lacks."""
+    queued = [metrics[q] for q in QUEUED if q in metrics]
+    return {
+        "running": metrics.get(RUNNING),
+        "queued": sum(queued) if queued else None,
+        "gen_throughput": metrics.get(GEN_THROUGHPUT),
+        "generation_tokens_total": metrics.get(GEN_TOKENS),
+    }

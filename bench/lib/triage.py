@@ -1,0 +1,252 @@
+"""Triage: is a stuck client request the connection layer's fault or the engines'?
+
+Measures, then decides. Measurements: engine load from prefill and decode /metrics, sampled twice
+a window apart; one request over a fresh connection to the client's URL; the same directly to
+the router when that is a different URL. The decision (`decide`) is a pure function of those
+facts so it can be tested on recorded numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+
+from bench.lib import promtext
+from bench.lib.client import ChatRequest, first_model_id, stream_chat
+from bench.lib.stack import Stack, add_stack_args, stack_from_args
+
+CONNECTION = "connection layer between client and router"
+SATURATED = "engine saturated"
+STALLED = "engine stalled"
+INCONCLUSIVE = "inconclusive"
+
+
+@dataclass
+class Probe:
+    name: str
+    url: str
+    ok: bool
+    latency_s: float
+    tokens: int = 0
+    error: str = ""
+
+    def describe(self) -> str:
+        if self.ok:
+            return (
+                f"{self.name} {self.url}: answered in {self.latency_s:.3f} s "
+                f"({self.tokens} tokens) over a fresh connection"
+            )
+        return f"{self.name} {self.url}: failed after {self.latency_s:.3f} s: {self.error}"
+
+
+@dataclass
+class EngineLoad:
+    role: str
+    url: str
+    ok: bool
+    error: str = ""
+    window_s: float = 0.0
+    before: dict[str, float | None] = field(default_factory=dict)
+    after: dict[str, float | None] = field(default_factory=dict)
+
+    def _max(self, key: str) -> float | None:
+        vals = [v for v in (self.before.get(key), self.after.get(key)) if v is not None]
+        return max(vals) if vals else None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._max("running")) or bool(self._max("queued"))
+
+    @property
+    def queue_growing(self) -> bool:
+        b, a = self.before.get("queued"), self.after.get("queued")
+        return b is not None and a is not None and a > b
+
+    @property
+    def producing(self) -> bool | None:
+        """Whether tokens came out during the window; None when no metric tells."""
+        thr = self._max("gen_throughput")
+        b, a = self.before.get("generation_tokens_total"), self.after.get("generation_tokens_total")
+        signals = []
+        if thr is not None:
+            signals.append(thr > 0)
+        if b is not None and a is not None:
+            signals.append(a > b)
+        return any(signals) if signals else None
+
+    def describe(self) -> str:
+        if not self.ok:
+            return f"{self.role} {self.url}/metrics: unreadable: {self.error}"
+
+        def fmt(key: str) -> str:
+            b, a = self.before.get(key), self.after.get(key)
+            show = lambda v: "n/a" if v is None else f"{v:g}"  # noqa: E731
+            return f"{show(b)} -> {show(a)}"
+
+        return (
+            f"{self.role} {self.url}: running {fmt('running')}, queued {fmt('queued')}, "
+            f"gen_throughput {fmt('gen_throughput')} tok/s, generation_tokens_total "
+            f"{fmt('generation_tokens_total')} over {self.window_s:.1f} s"
+        )
+
+
+@dataclass
+class Verdict:
+    verdict: str
+    reason: str
+    evidence: list[str]
+
+    def render(self) -> str:
+        lines = [f"triage verdict: {self.verdict}", f"because: {self.reason}", "evidence:"]
+        lines += [f"  - {e}" for e in self.evidence]
+        return "\n".join(lines)
+
+
+def decide(probes: list[Probe], engines: list[EngineLoad], fast_s: float) -> Verdict:
+    evidence = [p.describe() for p in probes] + [e.describe() for e in engines]
+
+    def out(verdict: str, reason: str) -> Verdict:
+        return Verdict(verdict, reason, evidence)
+
+    if not engines or not all(e.ok for e in engines):
+        return out(INCONCLUSIVE, "engine load could not be read from both prefill and decode")
+    fast = [p for p in probes if p.ok and p.latency_s < fast_s]
+    busy = [e for e in engines if e.busy]
+    if not busy:
+        if fast:
+            return out(
+                CONNECTION,
+                f"engines idle and a fresh connection is answered in under {fast_s:g} s: the "
+                "request is stuck before it reaches the engines",
+            )
+        return out(INCONCLUSIVE, "engines idle but no fresh request was answered quickly either")
+    stalled = [e for e in busy if e.producing is False]
+    if stalled:
+        roles = ", ".join(e.role for e in stalled)
+        return out(STALLED, f"requests are on {roles} but no tokens were produced in the window")
+    if any(e.producing for e in busy) and (
+        len(fast) < len(probes) or any(e.queue_growing or e._max("queued") for e in busy)
+    ):
+        return out(
+            SATURATED,
+            "engines are producing tokens with requests waiting or fresh "
+            f"requests slower than {fast_s:g} s",
+        )
+    return out(
+        INCONCLUSIVE,
+        "engines are busy and fresh requests are fast; neither side is clearly at fault",
+    )
+
+
+async def _probe(name: str, url: str, model: str, timeout_s: float) -> Probe:
+    request = ChatRequest(
+        messages=[{"role": "user", "content": "triage probe"}], max_tokens=4, model=model
+    )
+    connector = aiohttp.TCPConnector(force_close=True)
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(connector=connector) as session:
+        try:
+            result = await asyncio.wait_for(stream_chat(session, url, request), timeout_s)
+        except TimeoutError:
+            return Probe(
+                name,
+                url,
+                False,
+                time.perf_counter() - start,
+                error=f"no complete answer within {timeout_s:g} s",
+            )
+    return Probe(name, url, result.success, result.latency_s, result.output_tokens, result.error)
+
+
+async def _read_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(url.rstrip("/") + "/metrics") as resp:
+        resp.raise_for_status()
+        return promtext.parse(await resp.text())
+
+
+async def _engine_loads(stack: Stack, window_s: float, timeout_s: float) -> list[EngineLoad]:
+    engines = [EngineLoad(role, url, True, window_s=window_s) for role, url in stack.engines()]
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for phase in ("before", "after"):
+            if phase == "after":
+                await asyncio.sleep(window_s)
+            for e in engines:
+                if not e.ok:
+                    continue
+                try:
+                    setattr(e, phase, promtext.load_of(await _read_metrics(session, e.url)))
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    e.ok, e.error = False, f"{type(exc).__name__}: {exc}"
+    return engines
+
+
+async def triage(
+    client_url: str,
+    stack: Stack,
+    fast_s: float = 2.0,
+    window_s: float = 1.0,
+    probe_timeout_s: float = 10.0,
+    model: str | None = None,
+) -> Verdict:
+    # Load first: the probes themselves would make idle engines look busy.
+    engines = await _engine_loads(stack, window_s, probe_timeout_s)
+    targets = [("client URL", client_url)]
+    if stack.router_url and stack.router_url.rstrip("/") != client_url.rstrip("/"):
+        targets.append(("router (direct)", stack.router_url))
+    if model is None:
+        try:
+            model = await first_model_id(targets[-1][1], probe_timeout_s)
+        except (TimeoutError, aiohttp.ClientError, OSError, RuntimeError):
+            model = "default"
+    probes = [await _probe(name, url, model, probe_timeout_s) for name, url in targets]
+    return decide(probes, engines, fast_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="bench/triage",
+        description="Tell a stuck client connection from a busy or stalled engine: time a request "
+        "over a fresh connection to the client's URL and to the router, read prefill and decode "
+        "load from their /metrics, and print a verdict with the numbers. Exit 0 when a verdict "
+        "other than 'inconclusive' is reached, 3 otherwise.",
+    )
+    parser.add_argument("--url", required=True, help="the URL the client uses (may be a proxy)")
+    add_stack_args(parser)
+    parser.add_argument(
+        "--fast-s",
+        type=float,
+        default=2.0,
+        help="a fresh request answered within this is fast (default: 2.0)",
+    )
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        default=1.0,
+        help="seconds between the two metrics samples (default: 1.0)",
+    )
+    parser.add_argument(
+        "--probe-timeout-s",
+        type=float,
+        default=10.0,
+        help="give up on a probe request after this (default: 10.0)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    args = parser.parse_args(argv)
+    for name in ("fast_s", "window_s", "probe_timeout_s"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    stack = stack_from_args(parser, args)
+    result = asyncio.run(triage(args.url, stack, args.fast_s, args.window_s, args.probe_timeout_s))
+    print(json.dumps(asdict(result), indent=2) if args.json else result.render())
+    return 3 if result.verdict == INCONCLUSIVE else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
