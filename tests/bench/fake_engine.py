@@ -19,9 +19,9 @@ def build_app(token_ms: float) -> web.Application:
 
     async def metrics(_request):
         text = (
-            f"sglang:num_running_reqs{{engine=\"fake\"}} {state['running']}\n"
-            "sglang:num_queue_reqs{engine=\"fake\"} 0\n"
-            f"sglang:generation_tokens_total{{engine=\"fake\"}} {state['generated']}\n"
+            f'sglang:num_running_reqs{{engine="fake"}} {state["running"]}\n'
+            'sglang:num_queue_reqs{engine="fake"} 0\n'
+            f'sglang:generation_tokens_total{{engine="fake"}} {state["generated"]}\n'
         )
         return web.Response(text=text)
 

@@ -1,0 +1,257 @@
+"""A/B at fixed concurrency: alternate arms over trials, record every request, report deltas."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.lib import arms as arms_mod
+from bench.lib.client import first_model_id
+from bench.lib.load import LoadSpec, run_load
+from bench.lib.metrics import summarize_run
+from bench.lib.report import render
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+@dataclass(frozen=True)
+class Plan:
+    concurrency: list[int]
+    trials: int
+    requests_per_c: int
+    input_words: int
+    output_tokens: int
+    seed: int
+    warmup: int
+    request_timeout_s: float
+    max_error_rate: float
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+async def _warm_up(url: str, model: str, plan: Plan) -> None:
+    if plan.warmup:
+        spec = LoadSpec(
+            min(plan.warmup, 8),
+            plan.warmup,
+            plan.input_words,
+            plan.output_tokens,
+            plan.seed + 1,
+            plan.request_timeout_s,
+        )
+        await run_load(url, model, spec)
+
+
+def run_ab(
+    plan: Plan, arm_a: arms_mod.Arm, arm_b: arms_mod.Arm, out_dir: Path, progress: bool
+) -> dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {
+        "schema": 1,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "config": {
+            "mode": arm_a.mode,
+            "arms": {"A": arm_a.describe(), "B": arm_b.describe()},
+            "concurrency": plan.concurrency,
+            "trials": plan.trials,
+            "requests_per_c": f"{plan.requests_per_c} x C",
+            "input_words": plan.input_words,
+            "output_tokens": plan.output_tokens,
+            "seed": plan.seed,
+            "warmup": plan.warmup,
+            "request_timeout_s": plan.request_timeout_s,
+            "max_error_rate": plan.max_error_rate,
+        },
+        "runs": [],
+    }
+    total = plan.trials * 2 * sum(plan.requests_per_c * c for c in plan.concurrency)
+    bar = _progress(total, progress)
+    raw = (out_dir / "requests.jsonl").open("w")
+    try:
+        for trial in range(1, plan.trials + 1):
+            for arm in (arm_a, arm_b):
+                bar.set_description(f"trial {trial} arm {arm.name}: preparing")
+                knob = arm.prepare(trial)
+                try:
+                    model = asyncio.run(first_model_id(arm.url, plan.request_timeout_s))
+                except (TimeoutError, aiohttp.ClientError, OSError, RuntimeError) as exc:
+                    raise arms_mod.ArmError(
+                        f"arm {arm.name}: {arm.url} lists no model: {exc}"
+                    ) from exc
+                asyncio.run(_warm_up(arm.url, model, plan))
+                for c in plan.concurrency:
+                    bar.set_description(f"trial {trial} arm {arm.name} C{c}")
+                    spec = LoadSpec(
+                        c,
+                        plan.requests_per_c * c,
+                        plan.input_words,
+                        plan.output_tokens,
+                        plan.seed,
+                        plan.request_timeout_s,
+                    )
+                    outputs, duration = asyncio.run(
+                        run_load(arm.url, model, spec, on_done=lambda _o: bar.update(1))
+                    )
+                    records = [o.to_json() for o in outputs]
+                    for index, record in enumerate(records):
+                        tags = {"arm": arm.name, "trial": trial, "concurrency": c, "index": index}
+                        raw.write(json.dumps({**tags, **record}) + "\n")
+                    raw.flush()
+                    run = {"arm": arm.name, "trial": trial, "concurrency": c, "knob": knob}
+                    run.update(summarize_run(records, duration))
+                    summary["runs"].append(run)
+                    # Written after every run so an interrupted A/B still leaves its evidence.
+                    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    finally:
+        raw.close()
+        bar.close()
+    return summary
+
+
+def _concurrency_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"wants comma-separated whole numbers >= 1, got {text!r}")
+    return values
+
+
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        if not text.lstrip("-").isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"wants a whole number >= {minimum}, got {text!r}")
+        return int(text)
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bench/ab",
+        description="A/B two stack configurations at fixed concurrency. With --a/--b each trial "
+        "applies the arm's env overlay, co-restarts the stack through launch/pd and verifies the "
+        "overlay is live in the decode process; with --url-a/--url-b it compares two stacks that "
+        "are already running. Arms alternate A B A B ... Results go to bench/results/<timestamp>/.",
+    )
+    arm = parser.add_argument_group("arms (either --a/--b or --url-a/--url-b)")
+    arm.add_argument("--a", type=Path, help="env overlay of arm A (e.g. env/ab/A.env)")
+    arm.add_argument("--b", type=Path, help="env overlay of arm B (e.g. env/ab/B.env)")
+    arm.add_argument(
+        "--env-dir",
+        type=Path,
+        default=Path("env"),
+        help="base env directory the overlays apply to (default: env)",
+    )
+    arm.add_argument("--sim", action="store_true", help="co-restart the simulated stack")
+    arm.add_argument("--url-a", help="URL of an already running stack for arm A")
+    arm.add_argument("--url-b", help="URL of an already running stack for arm B")
+    parser.add_argument(
+        "--concurrency",
+        type=_concurrency_list,
+        default=[64, 80, 96],
+        help="comma-separated concurrency levels (default: 64,80,96)",
+    )
+    parser.add_argument(
+        "--trials",
+        type=_at_least(1),
+        default=3,
+        help="trials per arm; 2 or more for a confidence interval (default: 3)",
+    )
+    parser.add_argument(
+        "--requests-per-c",
+        type=_at_least(1),
+        default=4,
+        help="requests per run = this x C (default: 4)",
+    )
+    parser.add_argument(
+        "--input-words",
+        type=_at_least(1),
+        default=512,
+        help="words per seeded prompt (default: 512)",
+    )
+    parser.add_argument(
+        "--output-tokens",
+        type=_at_least(1),
+        default=256,
+        help="max_tokens with ignore_eos (default: 256)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
+    parser.add_argument(
+        "--warmup",
+        type=_at_least(0),
+        default=8,
+        help="unrecorded requests per arm and trial before the runs (default: 8)",
+    )
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="a request not done by then counts as an error (default: 600)",
+    )
+    parser.add_argument(
+        "--max-error-rate",
+        type=float,
+        default=0.0,
+        help="a run with a higher error fraction refuses its delta (default: 0)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="results directory (default: bench/results/<UTC timestamp>)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.request_timeout_s <= 0:
+        parser.error("--request-timeout-s must be > 0")
+    if not 0 <= args.max_error_rate <= 1:
+        parser.error("--max-error-rate must be within 0..1")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = args.out or RESULTS / stamp
+    args.out_work = out_dir
+    try:
+        arm_a, arm_b = arms_mod.arms_from_args(args)
+    except arms_mod.ArmError as exc:
+        parser.error(str(exc))
+    plan = Plan(
+        args.concurrency,
+        args.trials,
+        args.requests_per_c,
+        args.input_words,
+        args.output_tokens,
+        args.seed,
+        args.warmup,
+        args.request_timeout_s,
+        args.max_error_rate,
+    )
+    try:
+        run_ab(plan, arm_a, arm_b, out_dir, progress=not args.no_progress)
+    except arms_mod.ArmError as exc:
+        print(f"bench/ab: {exc}", file=sys.stderr)
+        if (out_dir / "summary.json").exists():
+            print(render(out_dir), end="")
+        print(f"bench/ab: stopped; partial results in {out_dir}", file=sys.stderr)
+        return 1
+    print(render(out_dir), end="")
+    print(f"bench/ab: results in {out_dir}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The two sides of an A/B: already running stacks, or env overlays co-restarted via launch/pd."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from bench.lib.stack import read_env_file, stack_from_env_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+PD = ROOT / "launch" / "pd"
+# The knob lands in the decode process; an overlay key no base file defines goes there.
+DEFAULT_ROLE_FILE = "decode.env"
+
+
+class ArmError(RuntimeError):
+    """An arm cannot be prepared; the A/B stops and keeps what it has."""
+
+
+class UrlArm:
+    mode = "urls"
+
+    def __init__(self, name: str, url: str):
+        self.name = name
+        self.url = url.rstrip("/")
+
+    def describe(self) -> str:
+        return f"running stack at {self.url}"
+
+    def prepare(self, _trial: int) -> dict[str, Any]:
+        return {"required": False, "verified": None, "detail": "URL mode: nothing applied"}
+
+
+def apply_overlay(base: Path, overlay: Path, dest: Path) -> dict[str, str]:
+    """Copy the base env files to dest with the overlay's values replacing or adding lines."""
+    values = read_env_file(overlay)
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(base, dest, ignore=shutil.ignore_patterns("ab"))
+    pending = dict(values)
+    for path in sorted(dest.glob("*.env")):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            key = line.strip().removeprefix("export ").partition("=")[0].strip()
+            if key in pending and not line.lstrip().startswith("#"):
+                lines[i] = f"{key}={pending.pop(key)}"
+        path.write_text("\n".join(lines) + "\n")
+    if pending:
+        target = dest / DEFAULT_ROLE_FILE
+        with target.open("a") as f:
+            f.write(f"# added by bench/ab from {overlay.name}\n")
+            f.writelines(f"{k}={v}\n" for k, v in pending.items())
+    return values
+
+
+class EnvArm:
+    mode = "co-restart"
+
+    def __init__(
+        self, name: str, overlay: Path, base: Path, work: Path, sim: bool, timeout_s: float = 900.0
+    ):
+        self.name = name
+        self.overlay = overlay
+        self.base = base
+        self.env_dir = work / f"env-{name}"
+        self.sim = sim
+        self.timeout_s = timeout_s
+        self.url = ""
+
+    def describe(self) -> str:
+        return f"{self.overlay} over {self.base}" + (" (sim)" if self.sim else "")
+
+    def _pd(self, verb: str) -> subprocess.CompletedProcess:
+        cmd = [str(PD), verb, "--env-dir", str(self.env_dir)] + (["--sim"] if self.sim else [])
+        try:
+            return subprocess.run(
+                cmd, cwd=ROOT, capture_output=True, text=True, timeout=self.timeout_s
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise ArmError(
+                f"arm {self.name}: launch/pd {verb} still running after {self.timeout_s:g} s"
+            ) from exc
+
+    def prepare(self, trial: int) -> dict[str, Any]:
+        values = apply_overlay(self.base, self.overlay, self.env_dir)
+        self.url = stack_from_env_dir(self.env_dir).router_url or ""
+        restart = self._pd("co-restart")
+        if restart.returncode != 0:
+            tail = "\n".join((restart.stdout + restart.stderr).splitlines()[-15:])
+            raise ArmError(f"arm {self.name} trial {trial}: co-restart failed:\n{tail}")
+        verify = self._pd("verify")
+        lines = (verify.stdout + verify.stderr).splitlines()
+        knob_lines = [ln.strip() for ln in lines if any(k in ln for k in values)]
+        missing = [k for k in values if not any(k in ln for ln in knob_lines)]
+        verified = verify.returncode == 0 and not missing
+        detail = "; ".join(knob_lines) or "verify printed no line for the overlay's keys"
+        if missing:
+            detail += f"; not checked: {', '.join(missing)}"
+        if verify.returncode != 0:
+            detail += f"; launch/pd verify exited {verify.returncode}"
+        return {"required": True, "verified": verified, "detail": detail, "keys": values}
+
+
+def arms_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    urls = (args.url_a, args.url_b)
+    envs = (args.a, args.b)
+    if any(urls) and any(envs):
+        raise ArmError("give either --a/--b or --url-a/--url-b, not both")
+    if any(urls):
+        if not all(urls):
+            raise ArmError("--url-a and --url-b go together")
+        return UrlArm("A", args.url_a), UrlArm("B", args.url_b)
+    if not all(envs):
+        raise ArmError("give --a and --b (env overlays) or --url-a and --url-b")
+    for path in envs:
+        if not path.is_file():
+            raise ArmError(f"env overlay {path}: no such file")
+        try:
+            read_env_file(path)
+        except ValueError as exc:
+            raise ArmError(str(exc)) from exc
+    if not args.env_dir.is_dir():
+        raise ArmError(f"--env-dir {args.env_dir}: not a directory")
+    if not PD.exists():
+        raise ArmError(f"co-restart mode needs {PD.relative_to(ROOT)}, which is missing")
+    work = args.out_work
+    return (
+        EnvArm("A", args.a, args.env_dir, work, args.sim),
+        EnvArm("B", args.b, args.env_dir, work, args.sim),
+    )

@@ -1,0 +1,113 @@
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} not answering after {timeout_s} s")
+
+
+class Processes:
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, ready_url: str | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        if ready_url:
+            wait_http(ready_url, proc)
+        return proc
+
+    def stop_all(self):
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=5)
+
+
+@pytest.fixture
+def procs():
+    p = Processes()
+    yield p
+    p.stop_all()
+
+
+@pytest.fixture
+def fake_engine(procs):
+    """URL of a fake streaming chat server (1 ms per token)."""
+
+    def start(token_ms: float = 1.0) -> str:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        procs.start(
+            "tests/bench/fake_engine.py",
+            "--port",
+            str(port),
+            "--token-ms",
+            str(token_ms),
+            ready_url=url + "/v1/models",
+        )
+        return url
+
+    return start
+
+
+@pytest.fixture
+def fault_proxy(procs):
+    def start(upstream: str, *flags: str) -> str:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        procs.start(
+            "bench/proxy",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--upstream",
+            upstream,
+            *flags,
+            ready_url=url + "/v1/models",
+        )
+        return url
+
+    return start
+
+
+def run_tool(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+    )

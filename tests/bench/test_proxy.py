@@ -1,0 +1,77 @@
+import asyncio
+import time
+
+import aiohttp
+import pytest
+from conftest import run_tool
+
+from bench.lib.client import ChatRequest, connection_tracing, stream_chat
+
+
+def _request() -> ChatRequest:
+    return ChatRequest([{"role": "user", "content": "hello"}], max_tokens=4, model="fake-model")
+
+
+async def _rounds(url: str, n: int, timeout_s: float) -> list[str]:
+    """Send n requests over one keep-alive connection; 'ok <conn>', 'error' or 'stuck' each."""
+    results = []
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(
+        connector=connector, trace_configs=[connection_tracing()]
+    ) as s:
+        for _ in range(n):
+            try:
+                out = await asyncio.wait_for(stream_chat(s, url, _request()), timeout_s)
+            except TimeoutError:
+                results.append("stuck")
+                break
+            results.append(f"ok {out.connection}" if out.success else "error")
+    return results
+
+
+def test_stall_after_stops_a_reused_connection_while_new_ones_work(fake_engine, fault_proxy):
+    proxy = fault_proxy(fake_engine(), "--stall-after", "2")
+    assert asyncio.run(_rounds(proxy, 3, timeout_s=1.0)) == ["ok new", "ok reused", "stuck"]
+    assert asyncio.run(_rounds(proxy, 1, timeout_s=1.0)) == ["ok new"]
+
+
+def test_reset_after_breaks_the_connection_and_the_client_reconnects(fake_engine, fault_proxy):
+    proxy = fault_proxy(fake_engine(), "--reset-after", "1")
+    assert asyncio.run(_rounds(proxy, 3, timeout_s=2.0)) == ["ok new", "error", "ok new"]
+
+
+def test_delay_ms_delays_every_request(fake_engine, fault_proxy):
+    proxy = fault_proxy(fake_engine(), "--delay-ms", "300")
+    start = time.perf_counter()
+    assert asyncio.run(_rounds(proxy, 2, timeout_s=5.0)) == ["ok new", "ok reused"]
+    assert time.perf_counter() - start >= 0.6
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--listen", "nowhere", "--upstream", "http://127.0.0.1:1"], "HOST:PORT"),
+        (["--listen", "127.0.0.1:1", "--upstream", "ftp://x"], "http://HOST:PORT"),
+        (
+            ["--listen", "127.0.0.1:1", "--upstream", "http://127.0.0.1:1", "--stall-after", "-1"],
+            "whole number",
+        ),
+        (
+            [
+                "--listen",
+                "127.0.0.1:1",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--stall-after",
+                "1",
+                "--reset-after",
+                "1",
+            ],
+            "alternatives",
+        ),
+    ],
+)
+def test_proxy_rejects_bad_arguments(args, message):
+    result = run_tool("bench/proxy", *args)
+    assert result.returncode == 2
+    assert message in result.stderr

@@ -1,0 +1,88 @@
+from bench.lib import promtext
+from bench.lib.triage import CONNECTION, INCONCLUSIVE, SATURATED, STALLED, EngineLoad, Probe, decide
+
+# /metrics excerpt as an SGLang decode server exposes it (two label sets summed).
+DECODE_METRICS = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",tp_rank="0"} 30.0
+sglang:num_running_reqs{engine_type="unified",tp_rank="1"} 23.0
+sglang:num_queue_reqs{engine_type="unified",tp_rank="0"} 3.0
+sglang:num_decode_transfer_queue_reqs{tp_rank="0"} 1.0
+sglang:gen_throughput{tp_rank="0"} 812.5
+sglang:generation_tokens_total{is_streaming="true"} 10234.0
+"""
+
+
+def test_prometheus_text_is_summed_per_metric():
+    load = promtext.load_of(promtext.parse(DECODE_METRICS))
+    assert load == {
+        "running": 53.0,
+        "queued": 4.0,
+        "gen_throughput": 812.5,
+        "generation_tokens_total": 10234.0,
+    }
+
+
+def _load(running, queued, tokens, thr=None):
+    return {
+        "running": running,
+        "queued": queued,
+        "gen_throughput": thr,
+        "generation_tokens_total": tokens,
+    }
+
+
+def _engines(before, after):
+    return [
+        EngineLoad(
+            "prefill",
+            "http://127.0.0.1:1",
+            True,
+            window_s=1.0,
+            before=_load(0, 0, 0),
+            after=_load(0, 0, 0),
+        ),
+        EngineLoad("decode", "http://127.0.0.1:2", True, window_s=1.0, before=before, after=after),
+    ]
+
+
+FAST = [
+    Probe("client URL", "http://127.0.0.1:3", True, 0.012, 4),
+    Probe("router (direct)", "http://127.0.0.1:4", True, 0.010, 4),
+]
+SLOW = [
+    Probe("client URL", "http://127.0.0.1:3", False, 5.0, error="no complete answer within 5 s"),
+    Probe("router (direct)", "http://127.0.0.1:4", False, 5.0, error="no complete answer"),
+]
+
+
+def test_idle_engines_and_fast_fresh_connections_blame_the_connection_layer():
+    v = decide(FAST, _engines(_load(0, 0, 500), _load(0, 0, 500)), fast_s=2.0)
+    assert v.verdict == CONNECTION
+    assert any("answered in 0.012 s" in e for e in v.evidence)
+    assert any("decode http://127.0.0.1:2: running 0 -> 0, queued 0 -> 0" in e for e in v.evidence)
+
+
+def test_busy_engines_producing_tokens_with_slow_probes_are_saturated():
+    v = decide(SLOW, _engines(_load(53, 4, 1000), _load(53, 6, 1800)), fast_s=2.0)
+    assert v.verdict == SATURATED
+
+
+def test_queued_requests_without_tokens_are_a_stalled_engine():
+    v = decide(SLOW, _engines(_load(8, 2, 1000, thr=0.0), _load(8, 3, 1000, thr=0.0)), fast_s=2.0)
+    assert v.verdict == STALLED
+    assert "decode" in v.reason
+
+
+def test_unreadable_metrics_are_inconclusive_not_a_guess():
+    engines = _engines(_load(0, 0, 0), _load(0, 0, 0))
+    engines[1] = EngineLoad("decode", "http://127.0.0.1:2", False, error="ClientConnectorError")
+    v = decide(FAST, engines, fast_s=2.0)
+    assert v.verdict == INCONCLUSIVE
+    assert any("unreadable" in e for e in v.evidence)
+
+
+def test_idle_engines_with_failing_fresh_requests_are_inconclusive():
+    v = decide(SLOW, _engines(_load(0, 0, 0), _load(0, 0, 0)), fast_s=2.0)
+    assert v.verdict == INCONCLUSIVE
