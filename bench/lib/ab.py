@@ -33,6 +33,7 @@ class Plan:
     warmup: int
     request_timeout_s: float
     max_error_rate: float
+    fresh_connections: bool = False
 
 
 def _progress(total: int, enabled: bool):
@@ -73,6 +74,7 @@ def run_ab(
             "warmup": plan.warmup,
             "request_timeout_s": plan.request_timeout_s,
             "max_error_rate": plan.max_error_rate,
+            "fresh_connections": plan.fresh_connections,
         },
         "runs": [],
     }
@@ -100,6 +102,7 @@ def run_ab(
                         plan.output_tokens,
                         plan.seed,
                         plan.request_timeout_s,
+                        plan.fresh_connections,
                     )
                     outputs, duration = asyncio.run(
                         run_load(arm.url, model, spec, on_done=lambda _o: bar.update(1))
@@ -209,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run with a higher error fraction refuses its delta (default: 0)",
     )
     parser.add_argument(
+        "--fresh-connections",
+        action="store_true",
+        help="a new connection per request, as sglang.bench_serving does (default: keep-alive)",
+    )
+    parser.add_argument(
         "--out", type=Path, help="results directory (default: bench/results/<UTC timestamp>)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -239,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup,
         args.request_timeout_s,
         args.max_error_rate,
+        args.fresh_connections,
     )
     try:
         run_ab(plan, arm_a, arm_b, out_dir, progress=not args.no_progress)

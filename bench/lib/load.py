@@ -20,6 +20,8 @@ class LoadSpec:
     output_tokens: int
     seed: int
     request_timeout_s: float
+    # sglang.bench_serving opens a connection per request; this matches it when asked.
+    fresh_connections: bool = False
 
 
 async def run_load(
@@ -32,7 +34,7 @@ async def run_load(
     outputs: list[ChatOutput | None] = [None] * spec.requests
     next_index = iter(range(spec.requests))
     prompts = [seeded_prompt(spec.seed, i, spec.input_words) for i in range(spec.requests)]
-    connector = aiohttp.TCPConnector(limit=spec.concurrency)
+    connector = aiohttp.TCPConnector(limit=spec.concurrency, force_close=spec.fresh_connections)
 
     async def worker(session: aiohttp.ClientSession) -> None:
         for i in next_index:

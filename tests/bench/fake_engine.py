@@ -28,16 +28,18 @@ def build_app(token_ms: float) -> web.Application:
     async def chat(request):
         body = await request.json()
         words = sum(len(m["content"].split()) for m in body["messages"])
+        # sglang.bench_serving sends max_completion_tokens, our client max_tokens.
+        max_tokens = body.get("max_tokens") or body["max_completion_tokens"]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         state["running"] += 1
         try:
-            for i in range(body["max_tokens"]):
+            for i in range(max_tokens):
                 await asyncio.sleep(token_ms / 1000)
                 state["generated"] += 1
                 event = {"choices": [{"index": 0, "delta": {"content": f"w{i} "}}]}
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
-            usage = {"prompt_tokens": words, "completion_tokens": body["max_tokens"]}
+            usage = {"prompt_tokens": words, "completion_tokens": max_tokens}
             await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
         finally:
