@@ -61,8 +61,36 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _find(values: dict[str, str], role: str, suffix: str, exclude: str = "") -> str | None:
+    for key, value in values.items():
+        if role in key and key.endswith(suffix) and not (exclude and exclude in key) and value:
+            return value
+    return None
+
+
 def stack_from_env_dir(env_dir: Path) -> Stack:
-    raise NotImplementedError
+    """URLs from the env files: per role a <ROLE>..._PORT key and an optional <ROLE>..._HOST key.
+
+    Role files may override common.env. The bootstrap port is not an HTTP port and is skipped.
+    """
+    values: dict[str, str] = {}
+    for name in ("common.env", "prefill.env", "decode.env", "router.env"):
+        path = env_dir / name
+        if path.is_file():
+            values.update(read_env_file(path))
+    if not values:
+        raise ValueError("no common.env, prefill.env, decode.env or router.env here")
+    default_host = values.get("HOST") or "127.0.0.1"
+    urls = []
+    for role in ("ROUTER", "PREFILL", "DECODE"):
+        port = _find(values, role, "_PORT", exclude="BOOTSTRAP")
+        if port is None or not port.isdigit():
+            raise ValueError(f"no {role}..._PORT with a port number in the env files")
+        host = _find(values, role, "_HOST") or default_host
+        if host in ("0.0.0.0", "::"):
+            host = "127.0.0.1"
+        urls.append(f"http://{host}:{port}")
+    return Stack(*urls)
 
 
 def stack_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Stack:
