@@ -50,3 +50,21 @@ def test_multiround_rejects_bad_arguments():
         "bench/multiround", "--url", "http://127.0.0.1:1", "--env-dir", "/nonexistent"
     )
     assert result.returncode == 2 and "not a directory" in result.stderr
+
+
+def test_slow_decode_is_called_engine_saturated_not_connection(fake_engine):
+    engine = fake_engine(token_ms=600)
+    result = run_tool(
+        "bench/multiround",
+        "--url",
+        engine,
+        "--prefill-url",
+        engine,
+        "--decode-url",
+        engine,
+        *SMALL,
+        timeout_s=60,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "triage verdict: engine saturated" in result.stdout
+    assert "connection layer" not in result.stdout
