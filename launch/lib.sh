@@ -1,0 +1,122 @@
+# Shared glue for prefill.sh, decode.sh and router.sh (sourced, not run).
+# Reads common.env and the role's env file the way systemd's EnvironmentFile= does, builds the
+# role's command line, and either prints it (--dry-run, secrets redacted) or execs it.
+
+PD_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ENV_DIR="$PD_ROOT/env"
+SIM=0
+DRY_RUN=0
+
+usage() {
+  cat <<USAGE
+usage: launch/$1.sh [--env-dir DIR] [--sim] [--dry-run]
+
+Start the $1 role from DIR/common.env and DIR/$1.env (default DIR: env/), replacing this shell
+with the server process.
+  --env-dir DIR  directory holding common.env, prefill.env, decode.env, router.env
+  --sim          start the simulated engine (launch/sim_engine.py) instead of sglang;
+                 the router is the real smg either way
+  --dry-run      print the command and the environment taken from the env files, start nothing
+USAGE
+}
+
+parse_args() {
+  local role="$1"
+  shift
+  while (($#)); do
+    case "$1" in
+      --env-dir)
+        [[ $# -ge 2 ]] || { echo "launch/$role.sh: --env-dir needs a directory" >&2; exit 2; }
+        ENV_DIR="$2"
+        shift 2
+        ;;
+      --sim) SIM=1; shift ;;
+      --dry-run) DRY_RUN=1; shift ;;
+      -h | --help) usage "$role"; exit 0 ;;
+      *) echo "launch/$role.sh: unknown argument: $1 (see --help)" >&2; exit 2 ;;
+    esac
+  done
+}
+
+load_env() {
+  local role="$1" file
+  for file in "$ENV_DIR/common.env" "$ENV_DIR/$role.env"; do
+    [[ -f "$file" ]] || { echo "launch/$role.sh: missing env file $file" >&2; exit 2; }
+  done
+  set -a
+  # shellcheck disable=SC1090,SC1091
+  . "$ENV_DIR/common.env"
+  # shellcheck disable=SC1090,SC1091
+  . "$ENV_DIR/$role.env"
+  set +a
+}
+
+require() {
+  local name
+  for name in "$@"; do
+    [[ -n "${!name:-}" ]] || { echo "launch: $name is not set in $ENV_DIR" >&2; exit 2; }
+  done
+}
+
+from_root() {
+  case "$1" in
+    /*) printf '%s\n' "$1" ;;
+    */*) printf '%s\n' "$PD_ROOT/$1" ;;
+    *) command -v "$1" || printf '%s\n' "$1" ;;
+  esac
+}
+
+engine_command() {
+  local python
+  python="$(from_root "${PD_PYTHON:-python3}")"
+  if ((SIM)); then
+    CMD=("$python" "$PD_ROOT/launch/sim_engine.py")
+  else
+    CMD=("$python" -m sglang.launch_server)
+  fi
+  CMD+=(--model-path "$MODEL_PATH" --served-model-name "$SERVED_MODEL_NAME" --tp-size "$TP_SIZE")
+  if [[ -n "${API_KEY:-}" ]]; then
+    CMD+=(--api-key "$API_KEY")
+  fi
+}
+
+env_keys() {
+  sed -n 's/^\([A-Za-z_][A-Za-z0-9_]*\)=.*/\1/p' "$@" | awk '!seen[$0]++'
+}
+
+is_secret_name() {
+  [[ "${1^^}" =~ (KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL) ]]
+}
+
+print_dry_run() {
+  local role="$1" key word previous=""
+  shift
+  echo "# environment from $ENV_DIR/common.env and $ENV_DIR/$role.env"
+  while read -r key; do
+    if is_secret_name "$key" && [[ -n "${!key}" ]]; then
+      printf '%s=<redacted>\n' "$key"
+    else
+      printf '%s=%s\n' "$key" "${!key}"
+    fi
+  done < <(env_keys "$ENV_DIR/common.env" "$ENV_DIR/$role.env")
+  echo "# command"
+  for word in "$@"; do
+    if [[ "$previous" == --api-key ]]; then
+      printf '%s ' '<redacted>'
+    else
+      printf '%q ' "$word"
+    fi
+    previous="$word"
+  done
+  printf '\n'
+}
+
+run_or_print() {
+  local role="$1"
+  shift
+  if ((DRY_RUN)); then
+    print_dry_run "$role" "$@"
+  else
+    exec "$@"
+  fi
+}

@@ -1,0 +1,1 @@
+"""launch/pd's implementation: env files, supervision, health and verification."""

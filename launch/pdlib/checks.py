@@ -1,0 +1,323 @@
+"""Health waits and the verification layers: health, live process environment, patched build,
+an end-to-end probe, and the key gauges."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from launch.pdlib.envfiles import REDACTED, is_secret
+from launch.pdlib.stack import ROOT, Role, Stack, from_root, http
+from launch.pdlib.supervise import port_owner
+
+MANIFEST_CODE = (
+    "from importlib.metadata import distribution as d; "
+    "print(d('sglang').read_text('sm120pd_manifest.json') or '')"
+)
+
+
+@dataclass(frozen=True)
+class Healthy:
+    ok: bool
+    seconds: float
+    detail: str
+    detected_after_ready_s: float | None = None
+
+
+def wait_healthy(stack: Stack, role: Role, alive, started_at: float) -> Healthy:
+    """Poll the role's health URL until 200, its process dies, or its timeout passes."""
+    deadline = started_at + role.health_timeout_s
+    last = "no answer yet"
+    while True:
+        reply = http(role.health_url, timeout=min(5.0, max(1.0, stack.poll_interval_s)))
+        now = time.time()
+        if reply.status == 200:
+            return Healthy(True, now - started_at, "healthy", _sim_detection(stack, role, now))
+        last = f"HTTP {reply.status}" if reply.status is not None else reply.error
+        if not alive(role.name):
+            return Healthy(False, now - started_at, f"process exited (last health: {last})")
+        if now >= deadline:
+            return Healthy(
+                False,
+                now - started_at,
+                f"not healthy within {role.health_timeout_s:g} s (last: {last})",
+            )
+        time.sleep(stack.poll_interval_s)
+
+
+def _sim_detection(stack: Stack, role: Role, seen_at: float) -> float | None:
+    """The simulated engine reports when it became ready; the gap is our polling latency."""
+    if not stack.sim or role.name == "router":
+        return None
+    reply = http(role.url + "/server_info", api_key=stack.api_key)
+    try:
+        ready_at = reply.json()["sim"]["ready_at"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return None if ready_at is None else max(0.0, seen_at - float(ready_at))
+
+
+@dataclass(frozen=True)
+class Check:
+    ok: bool
+    text: str
+
+    def line(self) -> str:
+        return f"{'ok  ' if self.ok else 'FAIL'} {self.text}"
+
+
+def health_checks(stack: Stack) -> list[Check]:
+    out = []
+    for role in stack.roles.values():
+        reply = http(role.health_url)
+        got = f"HTTP {reply.status}" if reply.status is not None else reply.error
+        out.append(Check(reply.status == 200, f"{role.name} health {role.health_url}: {got}"))
+    return out
+
+
+def environ_checks(stack: Stack) -> list[Check]:
+    """Knobs as the engines' port-owning processes hold them. The router is left out: smg reads
+    no SGLANG_* knob, and it rewrites its process title, which blanks /proc/PID/environ."""
+    out = []
+    for role in (stack.role("prefill"), stack.role("decode")):
+        knobs = stack.env.knobs(role.name)
+        if not knobs:
+            continue
+        pid = port_owner(role.port)
+        if pid is None:
+            out.append(
+                Check(
+                    False,
+                    f"{role.name}: no process listens on port {role.port}; "
+                    f"cannot read its environment for {', '.join(knobs)}",
+                )
+            )
+            continue
+        try:
+            live = psutil.Process(pid).environ()
+        except psutil.AccessDenied:
+            out.append(
+                Check(
+                    False,
+                    f"{role.name}: /proc/{pid}/environ is not readable by this "
+                    "user (run as root or as the service user)",
+                )
+            )
+            continue
+        except psutil.Error as exc:
+            out.append(Check(False, f"{role.name}: pid {pid}: {exc}"))
+            continue
+        if not live:
+            out.append(
+                Check(
+                    False,
+                    f"{role.name}: /proc/{pid}/environ reads empty (the process "
+                    "rewrote its title over it); its knobs cannot be checked",
+                )
+            )
+            continue
+        for key, want in knobs.items():
+            shown = REDACTED if is_secret(key) else want
+            if key not in live:
+                out.append(
+                    Check(
+                        False,
+                        f"{role.name} {key}={shown}: in the env files but "
+                        f"missing from the environment of pid {pid}",
+                    )
+                )
+            elif live[key] != want:
+                got = REDACTED if is_secret(key) else live[key]
+                out.append(
+                    Check(
+                        False,
+                        f"{role.name} {key}: pid {pid} has {got!r}, the env files say {shown!r}",
+                    )
+                )
+            else:
+                out.append(Check(True, f"{role.name} {key}={shown} live in pid {pid}"))
+    return out
+
+
+def expected_label() -> tuple[str | None, str]:
+    build = ROOT / "build.sh"
+    if not build.is_file():
+        return None, "build.sh is missing"
+    try:
+        done = subprocess.run(
+            [str(build), "label"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"./build.sh label failed: {exc}"
+    if done.returncode != 0 or not done.stdout.strip():
+        return None, f"./build.sh label exited {done.returncode}: {done.stderr.strip()[-200:]}"
+    return done.stdout.strip().splitlines()[-1], "./build.sh label"
+
+
+def manifest_check(stack: Stack) -> Check:
+    python = from_root(stack.env.common().get("PD_PYTHON") or "python3")
+    try:
+        done = subprocess.run(
+            [str(python), "-c", MANIFEST_CODE], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check(False, f"patched build: cannot run {python}: {exc}")
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return Check(False, f"patched build: {python} has no sglang distribution ({last})")
+    text = done.stdout.strip()
+    if not text:
+        return Check(
+            False,
+            f"patched build: the sglang installed for {python} carries no "
+            "sm120pd_manifest.json (plain upstream, not our patched wheel)",
+        )
+    try:
+        manifest = json.loads(text)
+    except ValueError:
+        return Check(False, "patched build: sm120pd_manifest.json is not valid JSON")
+    if manifest.get("project") != "sm120pd":
+        return Check(
+            False, f"patched build: manifest project is {manifest.get('project')!r}, not 'sm120pd'"
+        )
+    label = manifest.get("label")
+    want, source = expected_label()
+    if want is None:
+        return Check(
+            False,
+            f"patched build: installed {manifest.get('version')}, but the "
+            f"expected label is unknown ({source})",
+        )
+    if label != want:
+        return Check(
+            False,
+            f"patched build: installed label {label!r}, this checkout's "
+            f"patches give {want!r} (rebuild and reinstall the wheel)",
+        )
+    return Check(
+        True,
+        f"patched build: sglang {manifest.get('version')} ({len(manifest.get('patches', []))} "
+        f"patches) matches {source}",
+    )
+
+
+def verify(stack: Stack) -> list[Check]:
+    return health_checks(stack) + environ_checks(stack) + [manifest_check(stack)]
+
+
+# --- metrics --------------------------------------------------------------------------------
+
+ENGINE_GAUGES = (
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:gen_throughput",
+    "sglang:token_usage",
+    "sglang:num_prefill_inflight_queue_reqs",
+    "sglang:num_decode_transfer_queue_reqs",
+    "sglang:num_decode_prealloc_queue_reqs",
+)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum of the samples of each metric name (labels folded together)."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value = line.rpartition(" ")
+        name = name_part.split("{", 1)[0].strip()
+        try:
+            sums[name] = sums.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return sums
+
+
+def engine_load(stack: Stack, role: str) -> dict[str, float] | str:
+    reply = http(stack.role(role).url + "/metrics", timeout=5.0)
+    if reply.status != 200:
+        return f"metrics unavailable ({reply.status or reply.error})"
+    return parse_prometheus(reply.body.decode(errors="replace"))
+
+
+def metrics_lines(stack: Stack) -> list[tuple[bool, str]]:
+    out = []
+    for name in ("prefill", "decode"):
+        values = engine_load(stack, name)
+        if isinstance(values, str):
+            out.append((False, f"{name}: {values}"))
+            continue
+        shown = [f"{g.split(':', 1)[1]}={values[g]:g}" for g in ENGINE_GAUGES if g in values]
+        out.append((True, f"{name}: " + " ".join(shown)))
+    router = stack.role("router")
+    port = stack.env.role_env("router").get("ROUTER_PROMETHEUS_PORT", "")
+    reply = http(f"http://{router.host}:{port}/metrics", timeout=5.0)
+    if reply.status != 200:
+        out.append((False, f"router: metrics unavailable ({reply.status or reply.error})"))
+    else:
+        values = parse_prometheus(reply.body.decode(errors="replace"))
+        keys = sorted(
+            k
+            for k in values
+            if any(w in k for w in ("worker", "active", "running"))
+            and not k.endswith(("_bucket", "_sum", "_count"))
+        )
+        out.append(
+            (
+                True,
+                "router: "
+                + (
+                    " ".join(f"{k}={values[k]:g}" for k in keys[:12])
+                    or f"{len(values)} series, none of the key gauges"
+                ),
+            )
+        )
+    return out
+
+
+# --- probe ----------------------------------------------------------------------------------
+
+
+def _load_text(values) -> str:
+    if isinstance(values, str):
+        return values
+    running = values.get("sglang:num_running_reqs")
+    queued = values.get("sglang:num_queue_reqs")
+    return f"running={running:g} queued={queued:g}" if running is not None else "no load gauges"
+
+
+def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[str]]:
+    router = stack.role("router")
+    body = {
+        "model": stack.env.common().get("SERVED_MODEL_NAME") or "default",
+        "messages": [{"role": "user", "content": "Reply with one short sentence."}],
+        "max_tokens": max_tokens,
+        "stream": False,
+    }
+    before = engine_load(stack, "decode")
+    t0 = time.perf_counter()
+    reply = http(
+        router.url + "/v1/chat/completions", timeout=timeout_s, data=body, api_key=stack.api_key
+    )
+    latency = time.perf_counter() - t0
+    after = engine_load(stack, "decode")
+    lines = []
+    ok = reply.status == 200
+    status = f"HTTP {reply.status}" if reply.status is not None else f"no reply ({reply.error})"
+    detail = ""
+    if ok:
+        try:
+            usage = reply.json().get("usage") or {}
+            detail = f", {usage.get('completion_tokens', '?')} completion tokens"
+        except ValueError:
+            ok = False
+            detail = ", body is not JSON"
+    elif reply.body:
+        detail = f", body: {reply.body.decode(errors='replace')[:300]}"
+    lines.append(f"probe {router.url}/v1/chat/completions: {status} in {latency:.3f} s{detail}")
+    lines.append(f"decode load when sent: {_load_text(before)}; when answered: {_load_text(after)}")
+    return ok, lines

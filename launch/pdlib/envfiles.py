@@ -1,0 +1,290 @@
+"""The env files: parsing, per-role views, secret redaction, validation, diff, snapshots.
+
+The files are read by three readers: bash (`set -a; . file`), systemd (`EnvironmentFile=`) and
+this module. They agree only on a plain subset, so that subset is the format and `env check`
+rejects anything outside it: `KEY=value` or `KEY="value"` / `KEY='value'`, full-line `#`
+comments, no `export`, no `$` expansion, no backquotes, no trailing comments, no line
+continuations.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+ROLES = ("prefill", "decode", "router")
+FILES = ("common.env", "prefill.env", "decode.env", "router.env")
+KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SECRET_RE = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+REDACTED = "<redacted>"
+# Variables the running processes read from their environment (as opposed to our own launch
+# settings): these are what `verify` compares against /proc/PID/environ.
+KNOB_PREFIXES = ("SGLANG_", "SGL_", "NCCL_", "NVSHMEM_", "UCX_", "NIXL_", "CUDA_", "TORCH_")
+
+
+class EnvFileError(ValueError):
+    """An env file line outside the format every reader agrees on."""
+
+
+@dataclass(frozen=True)
+class Line:
+    path: Path
+    number: int
+    key: str
+    value: str
+    raw: str
+
+
+def parse_file(path: Path) -> list[Line]:
+    lines = []
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        where = f"{path}:{number}"
+        if stripped.startswith("export "):
+            raise EnvFileError(
+                f"{where}: drop 'export' (systemd's EnvironmentFile= reads it as part of the name)"
+            )
+        key, sep, value = stripped.partition("=")
+        if not sep or not KEY_RE.match(key):
+            raise EnvFileError(f"{where}: not a KEY=value line: {_redact_line(raw)!r}")
+        if raw != raw.lstrip():
+            raise EnvFileError(f"{where}: {key}: leading whitespace")
+        value = _unquote(value, where, key)
+        lines.append(Line(path, number, key, value, raw))
+    return lines
+
+
+def _unquote(value: str, where: str, key: str) -> str:
+    if value.endswith("\\"):
+        raise EnvFileError(
+            f"{where}: {key}: line continuations are not read the same by bash and systemd"
+        )
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        inner = value[1:-1]
+        if value[0] in inner:
+            raise EnvFileError(f"{where}: {key}: nested quote in a quoted value")
+        if value[0] == '"' and any(c in inner for c in "$`\\"):
+            raise EnvFileError(
+                f"{where}: {key}: '$', '`' and '\\' expand differently in bash "
+                "and systemd; use a literal value"
+            )
+        return inner
+    if any(c in value for c in "\"'"):
+        raise EnvFileError(f"{where}: {key}: quote the whole value or none of it")
+    if any(c in value for c in " \t#$`\\;&|<>()"):
+        raise EnvFileError(
+            f"{where}: {key}: unquoted value with spaces or shell characters "
+            "(bash and systemd would read it differently); quote it"
+        )
+    return value
+
+
+def _redact_line(raw: str) -> str:
+    key, sep, _ = raw.partition("=")
+    return f"{key}={REDACTED}" if sep and SECRET_RE.search(key) else raw
+
+
+def is_secret(key: str) -> bool:
+    return bool(SECRET_RE.search(key))
+
+
+def is_knob(key: str) -> bool:
+    return key.startswith(KNOB_PREFIXES)
+
+
+class EnvDir:
+    """One directory of env files and the views the launch tools need."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise EnvFileError(f"--env-dir {self.path}: not a directory")
+        missing = [f for f in FILES if not (self.path / f).is_file()]
+        if missing:
+            raise EnvFileError(f"--env-dir {self.path}: missing {', '.join(missing)}")
+        self.lines = {name: parse_file(self.path / name) for name in FILES}
+
+    def values(self, name: str) -> dict[str, str]:
+        return {line.key: line.value for line in self.lines[name]}
+
+    def common(self) -> dict[str, str]:
+        return self.values("common.env")
+
+    def role_env(self, role: str) -> dict[str, str]:
+        """What the role's process gets from the files: common, then the role's file on top."""
+        merged = self.common()
+        merged.update(self.values(f"{role}.env"))
+        return merged
+
+    def knobs(self, role: str) -> dict[str, str]:
+        return {k: v for k, v in self.role_env(role).items() if is_knob(k)}
+
+    def secrets(self) -> list[str]:
+        found = []
+        for lines in self.lines.values():
+            found += [ln.value for ln in lines if is_secret(ln.key) and ln.value]
+        return sorted(set(found), key=len, reverse=True)
+
+    def redactor(self) -> Redactor:
+        return Redactor(self.secrets())
+
+
+class Redactor:
+    def __init__(self, secrets: list[str]):
+        self.secrets = [s for s in secrets if s]
+
+    def __call__(self, text: str) -> str:
+        for secret in self.secrets:
+            text = text.replace(secret, REDACTED)
+        return text
+
+    def env_line(self, key: str, value: str) -> str:
+        return f"{key}={REDACTED if is_secret(key) and value else self(value)}"
+
+
+# --- validation -----------------------------------------------------------------------------
+
+# Knobs our patches register, with the rules their parsers apply (kept identical here so a
+# bad value is refused before a launch rather than at import time on the GPU host).
+OUR_KNOBS = {
+    "SGLANG_SM120_FLASHMLA_BACKEND": "one of flashinfer, triton, torch, mma",
+    "SGLANG_SM120_MMA_TARGET_CTAS": "a positive integer or 'auto'",
+    "SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT": "a positive number of seconds",
+}
+
+
+def knob_value_error(key: str, value: str) -> str | None:
+    if key == "SGLANG_SM120_FLASHMLA_BACKEND":
+        ok = value in ("flashinfer", "triton", "torch", "mma")
+    elif key == "SGLANG_SM120_MMA_TARGET_CTAS":
+        ok = value == "auto" or (value.isdigit() and int(value) > 0)
+    elif key == "SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT":
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        ok = seconds > 0 and seconds != float("inf")
+    else:
+        return None
+    return None if ok else f"{key}={value!r}: must be {OUR_KNOBS[key]}"
+
+
+def registered_sglang_names() -> tuple[set[str], str]:
+    """SGLANG_* names the installed sglang knows, plus ours; and where they came from."""
+    try:
+        from sglang.srt import environ
+    except ImportError as exc:
+        return set(OUR_KNOBS), f"sglang not importable ({exc}); only our knobs are known"
+    names = {n for n in vars(environ.Envs) if n.startswith(("SGLANG_", "SGL_"))}
+    return names | set(OUR_KNOBS), f"registry of the installed sglang ({len(names)} names)"
+
+
+def _close_names(name: str, known: set[str]) -> list[str]:
+    import difflib
+
+    return difflib.get_close_matches(name, sorted(known), n=2, cutoff=0.85)
+
+
+def check(env_dir: Path) -> tuple[list[str], list[str]]:
+    """(problems, notes). Problems make `env check` fail."""
+    problems: list[str] = []
+    notes: list[str] = []
+    present = []
+    for name in FILES:
+        path = Path(env_dir) / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+            continue
+        try:
+            present.append(parse_file(path))
+        except EnvFileError as exc:
+            problems.append(str(exc))
+    known, source = registered_sglang_names()
+    notes.append(f"SGLANG_* names checked against the {source}")
+    for lines in present:
+        seen: dict[str, int] = {}
+        for line in lines:
+            where = f"{line.path}:{line.number}"
+            if line.key in seen:
+                problems.append(f"{where}: {line.key} set again (first on line {seen[line.key]})")
+            seen[line.key] = line.number
+            if line.key.startswith(("SGLANG_", "SGL_")) and line.key not in known:
+                hint = _close_names(line.key, known)
+                extra = f"; did you mean {' or '.join(hint)}?" if hint else ""
+                problems.append(
+                    f"{where}: {line.key} is not a knob sglang knows (a typo is "
+                    f"silently ignored at run time){extra}"
+                )
+            error = knob_value_error(line.key, line.value)
+            if error:
+                problems.append(f"{where}: {error}")
+    return problems, notes
+
+
+# --- diff, snapshots ------------------------------------------------------------------------
+
+
+def diff(a: Path, b: Path) -> list[str]:
+    """Lines that differ between two env files or two env dirs, secrets redacted."""
+    pairs = []
+    if a.is_dir() and b.is_dir():
+        names = sorted({p.name for p in a.glob("*.env")} | {p.name for p in b.glob("*.env")})
+        pairs = [(a / n, b / n) for n in names]
+    elif a.is_file() and b.is_file():
+        pairs = [(a, b)]
+    else:
+        raise EnvFileError(f"env diff wants two files or two directories: {a}, {b}")
+    out = []
+    for pa, pb in pairs:
+        va = {ln.key: ln for ln in parse_file(pa)} if pa.is_file() else {}
+        vb = {ln.key: ln for ln in parse_file(pb)} if pb.is_file() else {}
+        for key in sorted(set(va) | set(vb)):
+            la, lb = va.get(key), vb.get(key)
+            if la and lb and la.value == lb.value:
+                continue
+            shown = lambda ln: REDACTED if is_secret(ln.key) else ln.value  # noqa: E731
+            left = f"{key}={shown(la)}" if la else "(absent)"
+            right = f"{key}={shown(lb)}" if lb else "(absent)"
+            label = pa.name if pa.name == pb.name else f"{pa.name} / {pb.name}"
+            out.append(f"{label}: - {left}\n{' ' * len(label)}  + {right}")
+    return out
+
+
+def snapshot(env_dir: Path, backups: Path, now: _dt.datetime | None = None) -> Path:
+    stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    dest = backups / stamp
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = backups / f"{stamp}-{n}"
+    dest.mkdir(parents=True)
+    for path in sorted(env_dir.glob("*.env")):
+        shutil.copy2(path, dest / path.name)
+    return dest
+
+
+def list_snapshots(backups: Path) -> list[Path]:
+    return sorted(p for p in backups.iterdir() if p.is_dir()) if backups.is_dir() else []
+
+
+def restore(env_dir: Path, backups: Path, name: str | None) -> Path:
+    snaps = list_snapshots(backups)
+    if not snaps:
+        raise EnvFileError(f"no snapshots under {backups}")
+    if name is None:
+        chosen = snaps[-1]
+    else:
+        matches = [p for p in snaps if p.name == name]
+        if not matches:
+            raise EnvFileError(
+                f"no snapshot {name!r} under {backups}; have: " + ", ".join(p.name for p in snaps)
+            )
+        chosen = matches[0]
+    for path in sorted(chosen.glob("*.env")):
+        shutil.copy2(path, env_dir / path.name)
+    return chosen

@@ -1,0 +1,269 @@
+"""Starting, stopping and inspecting roles: detached local processes or systemd units."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from launch.pdlib.stack import ROOT, Role, Stack
+
+
+class SuperviseError(RuntimeError):
+    """A role cannot be started or stopped as asked; nothing further was done to it."""
+
+
+@dataclass(frozen=True)
+class State:
+    running: bool
+    pid: int | None
+    detail: str
+
+
+def port_owner(port: int) -> int | None:
+    """Pid of the process listening on TCP `port` (any address), if any."""
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            return conn.pid
+    return None
+
+
+def describe_pid(pid: int) -> str:
+    try:
+        proc = psutil.Process(pid)
+        return f"pid {pid} ({' '.join(proc.cmdline())[:120]})"
+    except psutil.Error:
+        return f"pid {pid}"
+
+
+def tail(path: Path, lines: int) -> list[str]:
+    if not path.is_file():
+        return [f"(no log at {path})"]
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 256 * 1024))
+        text = f.read().decode(errors="replace")
+    return text.splitlines()[-lines:]
+
+
+class LocalSupervisor:
+    """Each role is a process group started detached; pid file and log under the run dir."""
+
+    kind = "local"
+
+    def __init__(self, stack: Stack, env_dir: Path, stop_grace_s: float = 20.0):
+        self.stack = stack
+        self.env_dir = Path(env_dir).resolve()
+        self.run_dir = stack.run_dir
+        self.stop_grace_s = stop_grace_s
+
+    def pid_file(self, role: str) -> Path:
+        return self.run_dir / f"{role}.pid"
+
+    def log_file(self, role: str) -> Path:
+        return self.run_dir / f"{role}.log"
+
+    def _recorded(self, role: str) -> psutil.Process | None:
+        path = self.pid_file(role)
+        if not path.is_file():
+            return None
+        try:
+            record = json.loads(path.read_text())
+            proc = psutil.Process(int(record["pid"]))
+            # A pid number can be reused; the start time tells our process from a newcomer.
+            if abs(proc.create_time() - float(record["create_time"])) > 1.0:
+                return None
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc
+        except (ValueError, KeyError, OSError, psutil.Error):
+            return None
+
+    def state(self, role: str) -> State:
+        proc = self._recorded(role)
+        if proc is not None:
+            return State(True, proc.pid, f"running, pid {proc.pid}")
+        if self.pid_file(role).is_file():
+            return State(False, None, "not running (process in the pid file has exited)")
+        return State(False, None, "not running")
+
+    def start(self, role: Role) -> State:
+        current = self.state(role.name)
+        if current.running:
+            raise SuperviseError(f"{role.name} already running (pid {current.pid})")
+        owner = port_owner(role.port)
+        if owner is not None:
+            raise SuperviseError(
+                f"{role.name}: port {role.port} is already held by {describe_pid(owner)}; "
+                "not starting a second server"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [str(role.script), "--env-dir", str(self.env_dir)]
+        if self.stack.sim:
+            cmd.append("--sim")
+        log = self.log_file(role.name).open("ab")
+        log.write(
+            f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} launch/pd starting {role.name}"
+            f"{' (sim)' if self.stack.sim else ''}\n".encode()
+        )
+        log.flush()
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        record = {
+            "pid": proc.pid,
+            "create_time": psutil.Process(proc.pid).create_time(),
+            "sim": self.stack.sim,
+        }
+        self.pid_file(role.name).write_text(json.dumps(record) + "\n")
+        return State(True, proc.pid, f"started, pid {proc.pid}")
+
+    def stop(self, role: Role) -> State:
+        proc = self._recorded(role.name)
+        if proc is None:
+            self.pid_file(role.name).unlink(missing_ok=True)
+            return State(False, None, "was not running")
+        group = [proc] + proc.children(recursive=True)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        _, alive = psutil.wait_procs(group, timeout=self.stop_grace_s)
+        detail = f"stopped pid {proc.pid}"
+        if alive:
+            for p in alive:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(alive, timeout=5)
+            detail += (
+                f" (killed {len(alive)} process(es) still alive after {self.stop_grace_s:g} s)"
+            )
+        self.pid_file(role.name).unlink(missing_ok=True)
+        owner = port_owner(role.port)
+        if owner is not None:
+            raise SuperviseError(
+                f"{role.name}: port {role.port} still held by {describe_pid(owner)} after stop"
+            )
+        return State(False, None, detail)
+
+    def restart(self, role: Role) -> State:
+        stopped = self.stop(role)
+        started = self.start(role)
+        return State(True, started.pid, f"{stopped.detail}; {started.detail}")
+
+    def alive(self, role: str) -> bool:
+        return self._recorded(role) is not None
+
+    def logs(self, role: str, lines: int) -> list[str]:
+        return tail(self.log_file(role), lines)
+
+
+class SystemdSupervisor:
+    """Each role is the unit PREFIX-ROLE.service (templates in launch/systemd/)."""
+
+    kind = "systemd"
+
+    def __init__(self, stack: Stack, command_timeout_s: float = 90.0):
+        self.stack = stack
+        self.timeout_s = command_timeout_s
+
+    def unit(self, role: str) -> str:
+        return f"{self.stack.unit_prefix}-{role}.service"
+
+    def _systemctl(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["systemctl", *args], capture_output=True, text=True, timeout=self.timeout_s
+        )
+
+    def _active(self, role: str) -> str:
+        try:
+            return self._systemctl("is-active", self.unit(role)).stdout.strip() or "unknown"
+        except subprocess.TimeoutExpired:
+            return "unknown (systemctl is-active timed out)"
+
+    def _main_pid(self, role: str) -> int | None:
+        try:
+            out = self._systemctl("show", "-p", "MainPID", "--value", self.unit(role)).stdout
+        except subprocess.TimeoutExpired:
+            return None
+        pid = int(out.strip() or 0) if out.strip().isdigit() else 0
+        return pid or None
+
+    def state(self, role: str) -> State:
+        active = self._active(role)
+        pid = self._main_pid(role) if active in ("active", "activating", "reloading") else None
+        running = active in ("active", "activating", "reloading")
+        return State(
+            running, pid, f"unit {self.unit(role)} {active}" + (f", pid {pid}" if pid else "")
+        )
+
+    def _drive(self, verb: str, role: Role) -> State:
+        try:
+            done = self._systemctl(verb, self.unit(role.name))
+        except subprocess.TimeoutExpired:
+            # A slow systemctl is not a failed unit: look at the unit before deciding anything,
+            # and never issue the command a second time.
+            now = self.state(role.name)
+            if (verb == "stop") != now.running:
+                return State(
+                    now.running,
+                    now.pid,
+                    f"systemctl {verb} timed out after {self.timeout_s:g} s; "
+                    f"{now.detail}, carrying on",
+                )
+            raise SuperviseError(
+                f"systemctl {verb} {self.unit(role.name)} timed out after {self.timeout_s:g} s "
+                f"and the unit is {now.detail}"
+            ) from None
+        if done.returncode != 0:
+            raise SuperviseError(
+                f"systemctl {verb} {self.unit(role.name)} exited {done.returncode}: "
+                f"{(done.stderr or done.stdout).strip()}"
+            )
+        now = self.state(role.name)
+        return State(now.running, now.pid, f"systemctl {verb}: {now.detail}")
+
+    def start(self, role: Role) -> State:
+        return self._drive("start", role)
+
+    def stop(self, role: Role) -> State:
+        return self._drive("stop", role)
+
+    def restart(self, role: Role) -> State:
+        return self._drive("restart", role)
+
+    def alive(self, role: str) -> bool:
+        return self.state(role).running
+
+    def logs(self, role: str, lines: int) -> list[str]:
+        try:
+            done = subprocess.run(
+                ["journalctl", "-u", self.unit(role), "-n", str(lines), "--no-pager"],
+                capture_output=True,
+                text=True,
+                timeout=self.timeout_s,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return [f"(journalctl failed: {exc})"]
+        return (done.stdout or done.stderr).splitlines()[-lines:]
+
+
+def supervisor_for(stack: Stack, env_dir: Path):
+    if stack.supervisor == "systemd":
+        return SystemdSupervisor(stack)
+    return LocalSupervisor(stack, env_dir)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Router: the smg gateway in PD mode in front of the prefill and decode engines.
+set -euo pipefail
+# shellcheck source=launch/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+main() {
+  parse_args router "$@"
+  load_env router
+  require PREFILL_HOST PREFILL_PORT PREFILL_BOOTSTRAP_PORT DECODE_HOST DECODE_PORT ROUTER_HOST \
+    ROUTER_PORT ROUTER_PROMETHEUS_PORT
+  local -a extra=()
+  read -r -a extra <<<"${ROUTER_ARGS:-}"
+  CMD=("$(from_root "${SMG_BIN:-smg}")" launch --pd-disaggregation
+    --prefill "http://$PREFILL_HOST:$PREFILL_PORT" "$PREFILL_BOOTSTRAP_PORT"
+    --decode "http://$DECODE_HOST:$DECODE_PORT"
+    --host "$ROUTER_HOST" --port "$ROUTER_PORT" --prometheus-port "$ROUTER_PROMETHEUS_PORT")
+  if [[ -n "${API_KEY:-}" ]]; then
+    CMD+=(--api-key "$API_KEY")
+  fi
+  CMD+=("${extra[@]}")
+  run_or_print router "${CMD[@]}"
+}
+
+main "$@"
