@@ -1,0 +1,128 @@
+"""SGLANG_SM120_MMA_TARGET_CTAS: strict parsing and the split choice (pure Python)."""
+
+import logging
+
+import pytest
+from sglang.kernels.ops.attention import sm120_mma_splits as splits
+from sglang.kernels.ops.attention.sm120_mma_splits import (
+    ENV_NAME,
+    parse_target_ctas,
+    resolve_split_count,
+    split_count_for,
+)
+
+
+@pytest.mark.parametrize("raw", [None, "auto", "AUTO", " auto "])
+def test_unset_or_auto_selects_the_automatic_choice(raw):
+    assert parse_target_ctas(raw) is None
+
+
+@pytest.mark.parametrize("raw, value", [("512", 512), ("1", 1), (" 256 ", 256)])
+def test_positive_integer_is_the_target(raw, value):
+    assert parse_target_ctas(raw) == value
+
+
+@pytest.mark.parametrize("raw", ["-1", "0", "abc", "5.5", "", "+512", "1e3", "0x200", "512 ctas"])
+def test_malformed_knob_is_an_error_naming_variable_and_forms(raw):
+    with pytest.raises(ValueError) as err:
+        parse_target_ctas(raw)
+    message = str(err.value)
+    assert ENV_NAME in message and repr(raw) in message
+    assert "'auto'" in message and "positive integer" in message
+
+
+def test_knob_error_surfaces_when_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv(ENV_NAME, "-4")
+    with pytest.raises(ValueError, match=ENV_NAME):
+        splits.target_ctas_from_env()
+    monkeypatch.setenv(ENV_NAME, "64")
+    assert splits.target_ctas_from_env() == 64
+    monkeypatch.delenv(ENV_NAME)
+    assert splits.target_ctas_from_env() is None
+
+
+def _shape(**over):
+    shape = dict(batch=16, head_blocks=1, num_tiles=64, tile_tokens=32, num_sms=132)
+    shape.update(over)
+    return shape
+
+
+@pytest.mark.parametrize(
+    "target, batch, head_blocks, expected",
+    [
+        (512, 64, 1, 8),  # 64 x 1 x 8 = 512
+        (512, 16, 2, 16),  # 16 x 2 x 16 = 512
+        (256, 32, 4, 2),  # 32 x 4 x 2 = 256
+        (512, 128, 4, 1),  # already 512 CTAs without splitting
+        (100, 64, 1, 2),  # nearest: 64 x 2 = 128 is closer to 100 than 64
+        (1, 64, 1, 1),  # never fewer than one split
+    ],
+)
+def test_fixed_target_makes_ctas_about_n(target, batch, head_blocks, expected):
+    got = split_count_for(target, **_shape(batch=batch, head_blocks=head_blocks))
+    assert got == expected
+
+
+def test_fixed_target_is_capped_at_one_split_per_minimum_chunk():
+    # 64 tiles of 32 tokens, at least 64 tokens per split -> at most 32 splits.
+    assert split_count_for(4096, **_shape(batch=1)) == 32
+    assert split_count_for(4096, **_shape(batch=1, num_tiles=1)) == 1
+
+
+def test_no_split_is_left_without_tiles():
+    for num_tiles in range(1, 70):
+        for target in (None, 7, 64, 512, 10_000):
+            for batch in (1, 3, 64):
+                n = split_count_for(target, **_shape(batch=batch, num_tiles=num_tiles))
+                per_split = -(-num_tiles // n)
+                assert 1 <= n <= max(1, num_tiles // 2)
+                assert (n - 1) * per_split < num_tiles, (num_tiles, target, batch, n)
+
+
+def test_auto_splits_small_batches_and_not_large_ones():
+    small = split_count_for(None, **_shape(batch=1))
+    large = split_count_for(None, **_shape(batch=512))
+    assert small > 4
+    assert large == 1
+    counts = [split_count_for(None, **_shape(batch=b)) for b in (1, 16, 64, 128, 256)]
+    assert counts == sorted(counts, reverse=True)
+
+
+def test_auto_uses_more_sms_for_more_splits():
+    few = split_count_for(None, **_shape(batch=32, num_sms=16))
+    many = split_count_for(None, **_shape(batch=32, num_sms=188))
+    assert many > few
+
+
+def test_auto_never_fills_one_wave_just_past_full():
+    # Wave quantization: at 132 SMs x 2 slots, 4 splits of 64 requests is 256 CTAs (one wave);
+    # 5 splits would need a second, nearly empty wave.
+    got = split_count_for(None, **_shape(batch=64, num_sms=132))
+    assert 64 * got <= 132 * splits.CTAS_PER_SM
+
+
+def test_bad_shapes_are_rejected():
+    with pytest.raises(ValueError, match="positive shapes"):
+        split_count_for(None, **_shape(batch=0))
+
+
+def test_choice_is_logged_once_per_knob_and_shape(monkeypatch, caplog):
+    monkeypatch.setattr(splits, "_logged", set())
+    monkeypatch.setenv(ENV_NAME, "512")
+    caplog.set_level(logging.INFO, logger=splits.__name__)
+    for _ in range(3):
+        assert resolve_split_count(**_shape(batch=64)) == 8
+    assert resolve_split_count(**_shape(batch=32)) == 16
+    lines = [r.getMessage() for r in caplog.records if ENV_NAME in r.getMessage()]
+    assert len(lines) == 2
+    assert "batch 64" in lines[0] and "-> 8 splits, 512 CTAs" in lines[0]
+    assert "batch 32" in lines[1] and "-> 16 splits" in lines[1]
+    monkeypatch.setenv(ENV_NAME, "auto")
+    resolve_split_count(**_shape(batch=64))
+    lines = [r.getMessage() for r in caplog.records if ENV_NAME in r.getMessage()]
+    assert len(lines) == 3 and f"{ENV_NAME}=auto" in lines[2]
+
+
+def test_splits_round_to_equal_tile_counts():
+    # 16 splits of 40 tiles would be 3 tiles each, which 14 splits already cover.
+    assert split_count_for(512, **_shape(batch=32, num_tiles=40)) == 14
