@@ -176,10 +176,23 @@ def knob_value_error(key: str, value: str) -> str | None:
 
 def registered_sglang_names() -> tuple[set[str], str]:
     """SGLANG_* names the installed sglang knows, plus ours; and where they came from."""
+    # Importing the sglang package pulls in torch (many seconds); environ.py itself needs only
+    # the standard library, so it is loaded on its own from the installed package's files.
+    import importlib.util
+
     try:
-        from sglang.srt import environ
-    except ImportError as exc:
-        return set(OUR_KNOBS), f"sglang not importable ({exc}); only our knobs are known"
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return set(OUR_KNOBS), "sglang is not installed; only our knobs are known"
+    path = Path(list(spec.submodule_search_locations)[0]) / "srt" / "environ.py"
+    try:
+        environ_spec = importlib.util.spec_from_file_location("_sglang_environ", path)
+        environ = importlib.util.module_from_spec(environ_spec)
+        environ_spec.loader.exec_module(environ)
+    except Exception as exc:  # noqa: BLE001 - any failure means "registry unavailable"
+        return set(OUR_KNOBS), f"cannot read {path} ({exc}); only our knobs are known"
     names = {n for n in vars(environ.Envs) if n.startswith(("SGLANG_", "SGL_"))}
     return names | set(OUR_KNOBS), f"registry of the installed sglang ({len(names)} names)"
 

@@ -47,6 +47,7 @@ class Stack:
     poll_interval_s: float
     supervisor: str
     unit_prefix: str
+    systemctl_timeout_s: float
     api_key: str
 
     def role(self, name: str) -> Role:
@@ -104,6 +105,7 @@ def load_stack(env_dir: Path, sim: bool, timeout_override: float | None = None) 
         poll_interval_s=_number(common, "PD_POLL_INTERVAL_S", 1.0),
         supervisor=supervisor,
         unit_prefix=common.get("PD_UNIT_PREFIX") or "sm120pd",
+        systemctl_timeout_s=_number(common, "PD_SYSTEMCTL_TIMEOUT_S", 90.0),
         api_key=common.get("API_KEY", ""),
     )
 

@@ -178,9 +178,9 @@ class SystemdSupervisor:
 
     kind = "systemd"
 
-    def __init__(self, stack: Stack, command_timeout_s: float = 90.0):
+    def __init__(self, stack: Stack):
         self.stack = stack
-        self.timeout_s = command_timeout_s
+        self.timeout_s = stack.systemctl_timeout_s
 
     def unit(self, role: str) -> str:
         return f"{self.stack.unit_prefix}-{role}.service"

@@ -1,0 +1,113 @@
+"""env check, env diff, snapshot/restore: the checks that run before anything is launched."""
+
+from __future__ import annotations
+
+import shutil
+
+from conftest import ROOT, SECRET, run_pd, set_values
+
+
+def env_check(env_dir):
+    return run_pd("env", "check", "--env-dir", str(env_dir))
+
+
+def test_shipped_env_files_pass_env_check():
+    done = run_pd("env", "check")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "env check" in done.stdout and "ok" in done.stdout
+
+
+def test_env_check_flags_a_misspelt_knob_and_names_the_right_one(env_dir):
+    set_values(env_dir / "decode.env", SGLANG_SM120_MMA_TARGET_CTA="512")
+    done = env_check(env_dir)
+    assert done.returncode == 1
+    line = next(ln for ln in done.stdout.splitlines() if "SGLANG_SM120_MMA_TARGET_CTA " in ln)
+    assert "did you mean SGLANG_SM120_MMA_TARGET_CTAS" in line
+    assert "decode.env" in line
+
+
+def test_env_check_rejects_values_our_knobs_would_reject(env_dir):
+    set_values(env_dir / "decode.env", SGLANG_SM120_MMA_TARGET_CTAS="-1")
+    set_values(env_dir / "prefill.env", SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT="0")
+    set_values(env_dir / "common.env", SGLANG_SM120_FLASHMLA_BACKEND="cutlass")
+    done = env_check(env_dir)
+    assert done.returncode == 1
+    fails = [ln for ln in done.stdout.splitlines() if ln.startswith("FAIL")]
+    assert len(fails) == 3, done.stdout
+    assert any("SGLANG_SM120_MMA_TARGET_CTAS='-1'" in ln for ln in fails)
+    assert any("SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT='0'" in ln for ln in fails)
+    assert any("SGLANG_SM120_FLASHMLA_BACKEND='cutlass'" in ln for ln in fails)
+
+
+def test_env_check_accepts_every_value_our_knobs_accept(env_dir):
+    set_values(env_dir / "decode.env", SGLANG_SM120_MMA_TARGET_CTAS="auto")
+    set_values(env_dir / "prefill.env", SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT="2.5")
+    for backend in ("flashinfer", "triton", "torch", "mma"):
+        set_values(env_dir / "common.env", SGLANG_SM120_FLASHMLA_BACKEND=backend)
+        done = env_check(env_dir)
+        assert done.returncode == 0, done.stdout
+
+
+def test_env_check_rejects_lines_bash_and_systemd_would_read_differently(env_dir):
+    for bad in ("export FOO=1", "FOO=two words", 'FOO="$HOME/x"', "FOO=1 # note"):
+        with (env_dir / "router.env").open("a") as f:
+            f.write(bad + "\n")
+        done = env_check(env_dir)
+        assert done.returncode == 1, bad
+        assert "router.env" in done.stdout, done.stdout
+        shutil.copy(ROOT / "env" / "router.env", env_dir / "router.env")
+
+
+def test_env_check_never_prints_a_secret_from_a_bad_line(env_dir):
+    with (env_dir / "common.env").open("a") as f:
+        f.write(f"HF_TOKEN={SECRET} trailing\n")
+    done = env_check(env_dir)
+    assert done.returncode == 1
+    assert SECRET not in done.stdout + done.stderr
+
+
+def test_env_diff_of_the_ab_overlays_is_the_one_knob_line():
+    done = run_pd("env", "diff", str(ROOT / "env/ab/A.env"), str(ROOT / "env/ab/B.env"))
+    assert done.returncode == 0
+    assert "SGLANG_SM120_MMA_TARGET_CTAS=auto" in done.stdout
+    assert "SGLANG_SM120_MMA_TARGET_CTAS=512" in done.stdout
+    assert "1 line(s) differ" in done.stdout
+
+
+def test_env_diff_of_two_dirs_shows_only_changed_keys_and_redacts_secrets(env_dir, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(env_dir, other)
+    set_values(other / "decode.env", SGLANG_SM120_MMA_TARGET_CTAS="256")
+    set_values(other / "common.env", API_KEY=SECRET)
+    done = run_pd("env", "diff", str(env_dir), str(other))
+    assert "2 line(s) differ" in done.stdout, done.stdout
+    assert "SGLANG_SM120_MMA_TARGET_CTAS=256" in done.stdout
+    assert SECRET not in done.stdout
+
+
+def test_snapshot_then_restore_brings_back_the_old_files(env_dir):
+    before = (env_dir / "decode.env").read_text()
+    snap = run_pd("env", "snapshot", "--env-dir", str(env_dir))
+    assert snap.returncode == 0, snap.stderr
+    set_values(env_dir / "decode.env", SGLANG_SM120_MMA_TARGET_CTAS="128")
+    name = snap.stdout.split()[-1].rsplit("/", 1)[-1]
+    done = run_pd("env", "restore", name, "--env-dir", str(env_dir))
+    assert done.returncode == 0, done.stderr
+    assert (env_dir / "decode.env").read_text() == before
+    listing = run_pd("env", "restore", "--list", "--env-dir", str(env_dir)).stdout.split()
+    assert name in listing and len(listing) == 2
+
+
+def test_restore_of_an_unknown_snapshot_fails_and_changes_nothing(env_dir):
+    run_pd("env", "snapshot", "--env-dir", str(env_dir))
+    before = (env_dir / "decode.env").read_text()
+    done = run_pd("env", "restore", "no-such", "--env-dir", str(env_dir))
+    assert done.returncode == 2
+    assert "no snapshot 'no-such'" in done.stderr
+    assert (env_dir / "decode.env").read_text() == before
+
+
+def test_a_missing_env_dir_is_a_clear_error():
+    done = run_pd("status", "--env-dir", "/nonexistent/env")
+    assert done.returncode == 2
+    assert "not a directory" in done.stderr

@@ -1,0 +1,77 @@
+"""The per-role scripts: the exact command lines, and --dry-run never shows the secret."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from conftest import ROOT, SECRET, set_values
+
+
+def dry_run(role, env_dir, *extra):
+    return subprocess.run(
+        [str(ROOT / "launch" / f"{role}.sh"), "--env-dir", str(env_dir), "--dry-run", *extra],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def command_of(done) -> str:
+    lines = done.stdout.splitlines()
+    return lines[lines.index("# command") + 1]
+
+
+def test_prefill_command_is_sglang_in_prefill_mode_with_bootstrap_port(env_dir):
+    done = dry_run("prefill", env_dir)
+    assert done.returncode == 0, done.stderr
+    cmd = command_of(done)
+    assert "-m sglang.launch_server" in cmd
+    assert "--disaggregation-mode prefill" in cmd
+    assert "--disaggregation-transfer-backend nixl" in cmd
+    assert "--chunked-prefill-size 8192" in cmd
+    assert "SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT=60" in done.stdout
+
+
+def test_decode_command_carries_decode_mode_and_its_knob_in_the_environment(env_dir):
+    done = dry_run("decode", env_dir)
+    cmd = command_of(done)
+    assert "--disaggregation-mode decode" in cmd and "prefill" not in cmd
+    assert "SGLANG_SM120_MMA_TARGET_CTAS=512" in done.stdout
+    assert "SGLANG_SM120_FLASHMLA_BACKEND=mma" in done.stdout
+
+
+def test_sim_swaps_only_the_engine_program(env_dir):
+    real = command_of(dry_run("decode", env_dir)).split()
+    sim = command_of(dry_run("decode", env_dir, "--sim")).split()
+    assert real[1:3] == ["-m", "sglang.launch_server"]
+    assert sim[1].endswith("launch/sim_engine.py")
+    assert real[3:] == sim[2:]
+
+
+def test_router_command_is_smg_pd_with_both_engines(env_dir):
+    cmd = command_of(dry_run("router", env_dir))
+    v = dict(
+        ln.split("=", 1)
+        for ln in (env_dir / "common.env").read_text().splitlines()
+        if ln and not ln.startswith("#")
+    )
+    assert "launch --pd-disaggregation" in cmd
+    assert f"--prefill http://127.0.0.1:{v['PREFILL_PORT']} {v['PREFILL_BOOTSTRAP_PORT']}" in cmd
+    assert f"--decode http://127.0.0.1:{v['DECODE_PORT']}" in cmd
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "router"])
+def test_dry_run_redacts_the_api_key(env_dir, role):
+    set_values(env_dir / "common.env", API_KEY=SECRET)
+    done = dry_run(role, env_dir)
+    assert done.returncode == 0, done.stderr
+    assert SECRET not in done.stdout + done.stderr
+    assert "--api-key <redacted>" in command_of(done)
+    assert "API_KEY=<redacted>" in done.stdout
+
+
+def test_unknown_argument_is_refused(env_dir):
+    done = dry_run("decode", env_dir, "--bogus")
+    assert done.returncode == 2
+    assert "unknown argument: --bogus" in done.stderr

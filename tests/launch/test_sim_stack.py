@@ -1,0 +1,228 @@
+"""The whole stack on loopback: simulated engines behind the real smg router, driven by pd."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import psutil
+from conftest import SECRET, SimStack, kill_all, processes_using, set_values
+
+
+def get_json(url: str, key: str = ""):
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def chat(url: str, max_tokens: int, key: str = SECRET, timeout: float = 30.0):
+    body = json.dumps(
+        {
+            "model": "deepseek-v4-flash",
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "hello " * 50}],
+        }
+    ).encode()
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def assert_no_secret(done):
+    assert SECRET not in done.stdout + done.stderr
+
+
+def test_co_restart_restarts_in_order_then_verifies_and_probes(sim_stack: SimStack):
+    old = {role: sim_stack.pid(role) for role in ("prefill", "decode", "router")}
+    done = sim_stack.pd("co-restart")
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert_no_secret(done)
+    order = [out.index(f"[{role}] healthy after") for role in ("prefill", "decode", "router")]
+    assert order == sorted(order)
+    assert "seen " in out and "after it reported ready" in out
+    assert "ok   decode SGLANG_SM120_MMA_TARGET_CTAS=512 live in pid" in out
+    assert "ok   prefill SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT=60 live in pid" in out
+    assert "ok   patched build" in out
+    assert "/v1/chat/completions: HTTP 200" in out
+    assert "co-restart done" in out
+    for role, pid in old.items():
+        assert sim_stack.pid(role) != pid
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_router_pairs_prefill_and_decode_on_the_same_bootstrap_room(sim_stack: SimStack):
+    router = sim_stack.url("router")
+    for _ in range(3):
+        status, body = chat(router, 4)
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 4
+    prefill_rooms = [r["room"] for r in get_json(sim_stack.url("prefill") + "/sim/requests")]
+    decode_rooms = [r["room"] for r in get_json(sim_stack.url("decode") + "/sim/requests")]
+    assert len(decode_rooms) >= 3 and None not in decode_rooms
+    assert set(decode_rooms[-3:]) <= set(prefill_rooms)
+    assert len(set(decode_rooms[-3:])) == 3
+
+
+def test_verify_status_probe_metrics_report_a_healthy_stack_without_the_secret(sim_stack):
+    for verb in ("verify", "status", "probe", "metrics"):
+        done = sim_stack.pd(verb)
+        assert done.returncode == 0, f"{verb}: {done.stdout}{done.stderr}"
+        assert_no_secret(done)
+    probe = sim_stack.pd("probe").stdout
+    assert "HTTP 200 in" in probe and "decode load when sent: running=" in probe
+    metrics = sim_stack.pd("metrics").stdout
+    assert "decode: num_running_reqs=" in metrics and "router: " in metrics
+    for role in ("prefill", "decode", "router"):
+        logs = sim_stack.pd("logs", role)
+        assert logs.returncode == 0 and logs.stdout
+        assert_no_secret(logs)
+
+
+def test_verify_fails_when_a_knob_is_only_in_the_file(sim_stack: SimStack):
+    decode_env = sim_stack.env / "decode.env"
+    before = decode_env.read_text()
+    try:
+        set_values(decode_env, SGLANG_DISAGGREGATION_WAITING_TIMEOUT="301")
+        done = sim_stack.pd("verify")
+        assert done.returncode == 1
+        line = next(
+            ln for ln in done.stdout.splitlines() if "SGLANG_DISAGGREGATION_WAITING_TIMEOUT" in ln
+        )
+        assert line.startswith("FAIL decode")
+        assert "missing from the environment of pid" in line
+        assert "ok   decode SGLANG_SM120_MMA_TARGET_CTAS=512" in done.stdout
+    finally:
+        decode_env.write_text(before)
+
+
+def test_verify_fails_on_plain_upstream_sglang_without_crashing(sim_stack: SimStack):
+    done = run_without_fake_manifest(sim_stack, "verify")
+    assert done.returncode == 1
+    assert "FAIL patched build" in done.stdout
+    assert "no sm120pd_manifest.json" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def run_without_fake_manifest(stack: SimStack, verb: str):
+    from conftest import run_pd
+
+    return run_pd(verb, "--env-dir", str(stack.env), "--sim")
+
+
+def test_co_restart_stops_at_a_role_that_never_gets_healthy(sim_stack: SimStack):
+    decode_env = sim_stack.env / "decode.env"
+    before = decode_env.read_text()
+    router_pid = sim_stack.pid("router")
+    try:
+        set_values(decode_env, PD_SIM_STARTUP_S="3600")
+        done = sim_stack.pd("co-restart", "--timeout", "3")
+        assert done.returncode == 1
+        assert "[prefill] healthy after" in done.stdout
+        assert "[decode] healthy" not in done.stdout
+        assert "decode: not healthy within 3 s (last: HTTP 503)" in done.stderr
+        assert "last 30 lines of the decode log" in done.stderr
+        assert "launch/pd starting decode" in done.stderr
+        assert "co-restart stopped at decode" in done.stderr
+        assert "[router]" not in done.stdout
+        assert sim_stack.pid("router") == router_pid and psutil.pid_exists(router_pid)
+        assert_no_secret(done)
+    finally:
+        decode_env.write_text(before)
+    recovered = sim_stack.pd("co-restart")
+    assert recovered.returncode == 0, recovered.stdout + recovered.stderr
+
+
+def test_decode_killed_mid_stream_is_reported_and_co_restart_recovers(sim_stack: SimStack):
+    port = int(sim_stack.values()["ROUTER_PORT"])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    body = json.dumps(
+        {
+            "model": "deepseek-v4-flash",
+            "max_tokens": 3000,
+            "stream": True,
+            "messages": [{"role": "user", "content": "count"}],
+        }
+    )
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        body=body,
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {SECRET}"},
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200
+    chunks = []
+    killed = threading.Event()
+    deadline = time.time() + 30
+    try:
+        while time.time() < deadline:
+            line = resp.readline()
+            if not line:
+                break
+            if line.startswith(b"data: "):
+                chunks.append(line)
+                if len(chunks) == 5 and not killed.is_set():
+                    os.kill(sim_stack.pid("decode"), signal.SIGKILL)
+                    killed.set()
+    except (OSError, http.client.HTTPException):
+        pass
+    finally:
+        conn.close()
+    assert killed.is_set()
+    # smg turns the broken upstream into an error event; no chunk ever finishes the request.
+    events = [json.loads(c[6:]) for c in chunks if not c.startswith(b"data: [DONE]")]
+    assert events[-1]["error"]["type"] == "stream_error"
+    assert not any(choice.get("finish_reason") for e in events for choice in e.get("choices", []))
+    assert len(events) < 3000
+
+    status = sim_stack.pd("status")
+    assert status.returncode == 1
+    decode_line = next(ln for ln in status.stdout.splitlines() if ln.startswith("decode"))
+    assert "not running" in decode_line and "Connection refused" in decode_line
+    code, text = chat(sim_stack.url("router"), 2, timeout=20)
+    assert code >= 500 and str(int(sim_stack.values()["DECODE_PORT"])) in text
+
+    done = sim_stack.pd("co-restart")
+    assert done.returncode == 0, done.stdout + done.stderr
+    code, _ = chat(sim_stack.url("router"), 2)
+    assert code == 200
+
+
+def test_down_leaves_no_process_behind(tmp_path):
+    stack = SimStack(tmp_path)
+    try:
+        up = stack.pd("up")
+        assert up.returncode == 0, up.stdout + up.stderr
+        pids = [stack.pid(r) for r in ("prefill", "decode", "router")]
+        tree = [
+            p
+            for pid in pids
+            for p in [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+        ]
+        down = stack.pd("down")
+        assert down.returncode == 0, down.stderr
+        assert [ln.split(":")[0] for ln in down.stdout.splitlines()] == [
+            "router",
+            "decode",
+            "prefill",
+        ]
+        gone, alive = psutil.wait_procs(tree, timeout=5)
+        assert not alive
+        assert not processes_using(stack.env)
+        assert not list(stack.run_dir.glob("*.pid"))
+        assert stack.pd("status").returncode == 1
+    finally:
+        kill_all(stack.env, stack.run_dir)
