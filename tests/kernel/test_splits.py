@@ -126,3 +126,13 @@ def test_choice_is_logged_once_per_knob_and_shape(monkeypatch, caplog):
 def test_splits_round_to_equal_tile_counts():
     # 16 splits of 40 tiles would be 3 tiles each, which 14 splits already cover.
     assert split_count_for(512, **_shape(batch=32, num_tiles=40)) == 14
+
+
+def test_knob_is_registered_in_sglang_env_registry(monkeypatch):
+    from sglang.srt.environ import envs
+
+    monkeypatch.delenv(ENV_NAME, raising=False)
+    assert envs.SGLANG_SM120_MMA_TARGET_CTAS.get() == "auto"
+    with envs.SGLANG_SM120_MMA_TARGET_CTAS.override("384"):
+        assert splits.target_ctas_from_env() == 384
+    assert splits.target_ctas_from_env() is None

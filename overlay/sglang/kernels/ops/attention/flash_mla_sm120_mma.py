@@ -92,8 +92,9 @@ def _load_kv_tile(
     )
     # UE8M0: the byte is a biased power-of-two exponent.
     nope = nope.to(tl.float32) * tl.math.exp2(scale_exp.to(tl.float32) - 127.0)
-    # Rope starts at byte 448 of the token's data, i.e. bf16 element (data + 448) / 2.
-    rope_elem = (data + NOPE_DIM) // 2
+    # Rope starts at byte 448 of the token's data. Spelled in bf16 elements (rather than as
+    # (data + 448) // 2) so the compiler can prove 16-element alignment and vectorize the load.
+    rope_elem = page * (page_bytes // 2) + slot * 288 + NOPE_DIM // 2
     rope = tl.load(
         bf16_ptr + rope_elem[:, None] + (d - NOPE_DIM)[None, :],
         mask=valid[:, None] & (d >= NOPE_DIM)[None, :],
