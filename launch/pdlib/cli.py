@@ -116,7 +116,8 @@ def cmd_co_restart(args) -> int:
         started = time.time()
         out(f"[{name}] restarting ({sup.kind}{', sim' if stack.sim else ''})")
         try:
-            out(f"[{name}] {sup.restart(role).detail}")
+            detail = sup.restart(role).detail
+            out(f"[{name}] {detail} ({time.time() - started:.1f} s)")
         except SuperviseError as exc:
             out(f"[{name}] {exc}", err=True)
             out(f"co-restart stopped at {name}; roles after it were not touched", err=True)
