@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVSender
@@ -52,7 +52,7 @@ _POLL_NAMES = {
 }
 
 
-def parse_inflight_timeout(raw: Optional[str]) -> Optional[float]:
+def parse_inflight_timeout(raw: str | None) -> float | None:
     """Seconds from the variable's raw text; None (unset) keeps upstream behaviour."""
     if raw is None:
         return None
@@ -69,7 +69,7 @@ def parse_inflight_timeout(raw: Optional[str]) -> Optional[float]:
     return value
 
 
-def inflight_timeout_from_env() -> Optional[float]:
+def inflight_timeout_from_env() -> float | None:
     """The configured timeout; raises ValueError on a malformed value.
 
     Read through upstream's registry as a raw string: its numeric fields only
@@ -79,7 +79,7 @@ def inflight_timeout_from_env() -> Optional[float]:
     return parse_inflight_timeout(envs.SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT.get())
 
 
-def timeout_reason(timeout: float, last_poll: Optional[int] = None) -> str:
+def timeout_reason(timeout: float, last_poll: int | None = None) -> str:
     state = "" if last_poll is None else f" (last state {_POLL_NAMES.get(last_poll, last_poll)})"
     return (
         f"KV transfer did not conclude within {timeout:g}s of entering the prefill "
@@ -87,9 +87,7 @@ def timeout_reason(timeout: float, last_poll: Optional[int] = None) -> str:
     )
 
 
-def inflight_verdict(
-    poll: int, started_at: Optional[float], now: float, timeout: Optional[float]
-) -> int:
+def inflight_verdict(poll: int, started_at: float | None, now: float, timeout: float | None) -> int:
     """The poll this rank contributes to the MIN all-reduce.
 
     Only WaitingForInput and Transferring are bounded: Bootstrapping stays under
@@ -147,7 +145,7 @@ class _InflightDeadlinePoller:
         return verdict
 
 
-def inflight_pollers(queue: List[Req]) -> list:
+def inflight_pollers(queue: list[Req]) -> list:
     """The pollers process_disagg_prefill_inflight_queue all-reduces.
 
     Unset: the senders themselves, exactly as upstream.
@@ -168,7 +166,7 @@ def annotate_inflight_failure(req: Req, error_message: str) -> str:
     """
     timeout = inflight_timeout_from_env()
     started_at = getattr(req, CLOCK_ATTR, None)
-    if timeout is None or started_at is None:
+    if timeout is None or started_at is None or ENV_NAME in error_message:
         return error_message
     if time.monotonic() - started_at < timeout:
         return error_message
