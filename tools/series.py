@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,25 +235,48 @@ def download(cache: Path, name: str, version: str, tag: str) -> None:
 # ---- the tree -----------------------------------------------------------------------------
 
 
-def unpack_upstream(wheel: Path, src: Path) -> None:
-    """src becomes a git repo whose single commit "upstream" is the unpacked wheel."""
+def unpack_upstream(wheel: Path, src: Path, only: set[str] | None = None) -> None:
+    """src becomes a git repo whose single commit "upstream" is the unpacked wheel.
+
+    With only, just those files are unpacked: enough to apply and export the series exactly
+    (patch application and --full-index blob ids depend only on the files a patch touches), at
+    a fraction of the cost of committing the whole wheel for every pinned tag.
+    """
     if src.exists():
         shutil.rmtree(src)
     src.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
-        run([sys.executable, "-m", "wheel", "unpack", "--dest", tmp, str(wheel)])
-        (unpacked,) = Path(tmp).iterdir()
-        unpacked.rename(src)
+    if only is None:
+        with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
+            run([sys.executable, "-m", "wheel", "unpack", "--dest", tmp, str(wheel)])
+            (unpacked,) = Path(tmp).iterdir()
+            unpacked.rename(src)
+    else:
+        src.mkdir()
+        with zipfile.ZipFile(wheel) as zf:
+            for name in sorted(only & set(zf.namelist())):
+                zf.extract(name, src)
     git(src, "init", "--quiet", "--initial-branch=series")
     git(src, "add", "--all", "--force")
-    git(src, "commit", "--quiet", "--no-verify", "--message", "upstream")
+    git(src, "commit", "--quiet", "--no-verify", "--allow-empty", "--message", "upstream")
     git(src, "tag", "upstream")
 
 
-def lay_overlay(paths: Paths, src: Path) -> None:
+def upstream_files(wheel: Path) -> set[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        return set(zf.namelist())
+
+
+def touched_files(patches: list[Path]) -> set[str]:
+    names = set()
+    for patch in patches:
+        names |= set(re.findall(r"^diff --git a/(\S+) b/", patch.read_text(), flags=re.M))
+    return names
+
+
+def lay_overlay(paths: Paths, src: Path, upstream: set[str]) -> None:
     for rel in overlay_files(paths):
         target = src / rel
-        if target.exists():
+        if rel.as_posix() in upstream:
             raise SeriesError(
                 f"overlay/{rel.as_posix()} collides with an upstream file: overlay only adds "
                 "files; change upstream files with a patch"
@@ -327,8 +351,9 @@ def apply_series(paths: Paths, src: Path, strict: bool) -> list[Applied]:
 
 
 def prepare_tree(paths: Paths, pin: Pin, tag: str, src: Path, strict: bool) -> list[Applied]:
-    unpack_upstream(fetch(paths, pin, tag), src)
-    lay_overlay(paths, src)
+    wheel = fetch(paths, pin, tag)
+    unpack_upstream(wheel, src)
+    lay_overlay(paths, src, upstream_files(wheel))
     return apply_series(paths, src, strict)
 
 
@@ -449,8 +474,9 @@ def cmd_check(paths: Paths, args) -> int:
     for tag in pin.wheels:
         with tempfile.TemporaryDirectory(dir=mkdir(paths.build)) as tmp:
             src = Path(tmp) / "src"
-            unpack_upstream(fetch(paths, pin, tag), src)
-            lay_overlay(paths, src)
+            wheel = fetch(paths, pin, tag)
+            unpack_upstream(wheel, src, only=touched_files(patches))
+            lay_overlay(paths, src, upstream_files(wheel))
             for patch in patches:
                 applied = apply_patch(src, patch)
                 if applied.outcome != "clean":
@@ -528,9 +554,10 @@ def cmd_rebase(paths: Paths, args) -> int:
     rows = []
     with tempfile.TemporaryDirectory(dir=mkdir(paths.build)) as tmp:
         src = Path(tmp) / "src"
-        unpack_upstream(wheel, src)
-        lay_overlay(paths, src)
-        for patch in series_patches(paths):
+        patches = series_patches(paths)
+        unpack_upstream(wheel, src, only=touched_files(patches))
+        lay_overlay(paths, src, upstream_files(wheel))
+        for patch in patches:
             applied = apply_patch(src, patch)
             rows.append(applied)
     width = max([len(r.patch) for r in rows] + [5])
