@@ -8,7 +8,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench.lib.stack import read_env_file, stack_from_env_dir
+from bench.lib.stack import stack_from_env_dir
+from launch.pdlib.envfiles import parse_file
 
 ROOT = Path(__file__).resolve().parents[2]
 PD = ROOT / "launch" / "pd"
@@ -35,25 +36,26 @@ class UrlArm:
 
 
 def apply_overlay(base: Path, overlay: Path, dest: Path) -> dict[str, str]:
-    """Copy the base env files to dest with the overlay's values replacing or adding lines."""
-    values = read_env_file(overlay)
+    """Copy the base env files to dest with the overlay's lines replacing or adding lines."""
+    overlay_lines = {line.key: line for line in parse_file(overlay)}
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(base, dest, ignore=shutil.ignore_patterns("ab"))
-    pending = dict(values)
+    shutil.copytree(base, dest, ignore=shutil.ignore_patterns("ab", "backups"))
+    pending = dict(overlay_lines)
     for path in sorted(dest.glob("*.env")):
         lines = path.read_text().splitlines()
         for i, line in enumerate(lines):
-            key = line.strip().removeprefix("export ").partition("=")[0].strip()
-            if key in pending and not line.lstrip().startswith("#"):
-                lines[i] = f"{key}={pending.pop(key)}"
+            key = line.partition("=")[0]
+            if key in pending and not line.startswith("#"):
+                # The overlay's raw line keeps its quoting, so the copy stays in launch's format.
+                lines[i] = pending.pop(key).raw
         path.write_text("\n".join(lines) + "\n")
     if pending:
         target = dest / DEFAULT_ROLE_FILE
         with target.open("a") as f:
             f.write(f"# added by bench/ab from {overlay.name}\n")
-            f.writelines(f"{k}={v}\n" for k, v in pending.items())
-    return values
+            f.writelines(line.raw + "\n" for line in pending.values())
+    return {key: line.value for key, line in overlay_lines.items()}
 
 
 class EnvArm:
@@ -119,11 +121,13 @@ def arms_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
         if not path.is_file():
             raise ArmError(f"env overlay {path}: no such file")
         try:
-            read_env_file(path)
+            parse_file(path)
         except ValueError as exc:
             raise ArmError(str(exc)) from exc
-    if not args.env_dir.is_dir():
-        raise ArmError(f"--env-dir {args.env_dir}: not a directory")
+    try:
+        stack_from_env_dir(args.env_dir)
+    except ValueError as exc:
+        raise ArmError(str(exc)) from exc
     if not PD.exists():
         raise ArmError(f"co-restart mode needs {PD.relative_to(ROOT)}, which is missing")
     work = args.out_work

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from launch.pdlib.stack import load_stack
+
+# A bind address is not an address to connect to; clients reach a wildcard bind on loopback.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
 
 @dataclass(frozen=True)
 class Stack:
@@ -20,25 +25,6 @@ class Stack:
             for role, url in (("prefill", self.prefill_url), ("decode", self.decode_url))
             if url
         ]
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines as launch/pd reads them: '#' comments, optional 'export', quotes."""
-    values: dict[str, str] = {}
-    for number, raw in enumerate(path.read_text().splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("export "):
-            line = line[len("export ") :].strip()
-        key, sep, value = line.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"{path}:{number}: not a KEY=VALUE line: {raw!r}")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        values[key.strip()] = value
-    return values
 
 
 def _http_url(text: str) -> str:
@@ -56,41 +42,29 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--env-dir",
         type=Path,
-        help="read the URLs the options above leave unset from this env "
-        "directory (common.env, prefill.env, decode.env, router.env)",
+        help="read the URLs the options above leave unset from this env directory "
+        "(ROUTER_HOST/ROUTER_PORT, PREFILL_HOST/PREFILL_PORT, DECODE_HOST/DECODE_PORT)",
     )
 
 
-def _find(values: dict[str, str], role: str, suffix: str, exclude: str = "") -> str | None:
-    for key, value in values.items():
-        if role in key and key.endswith(suffix) and not (exclude and exclude in key) and value:
-            return value
-    return None
+def _client_url(host: str, port: int) -> str:
+    if host in WILDCARD_HOSTS:
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 def stack_from_env_dir(env_dir: Path) -> Stack:
-    """URLs from the env files: per role a <ROLE>..._PORT key and an optional <ROLE>..._HOST key.
+    """The URLs launch/pd starts the roles on, read the way launch/pd reads them.
 
-    Role files may override common.env. The bootstrap port is not an HTTP port and is skipped.
+    Raises ValueError (launch's EnvFileError) for a missing file, a bad line or an unset
+    <ROLE>_HOST / <ROLE>_PORT.
     """
-    values: dict[str, str] = {}
-    for name in ("common.env", "prefill.env", "decode.env", "router.env"):
-        path = env_dir / name
-        if path.is_file():
-            values.update(read_env_file(path))
-    if not values:
-        raise ValueError("no common.env, prefill.env, decode.env or router.env here")
-    default_host = values.get("HOST") or "127.0.0.1"
-    urls = []
-    for role in ("ROUTER", "PREFILL", "DECODE"):
-        port = _find(values, role, "_PORT", exclude="BOOTSTRAP")
-        if port is None or not port.isdigit():
-            raise ValueError(f"no {role}..._PORT with a port number in the env files")
-        host = _find(values, role, "_HOST") or default_host
-        if host in ("0.0.0.0", "::"):
-            host = "127.0.0.1"
-        urls.append(f"http://{host}:{port}")
-    return Stack(*urls)
+    roles = load_stack(Path(env_dir), sim=False).roles
+    return Stack(
+        *(_client_url(roles[r].host, roles[r].port) for r in ("router", "prefill", "decode"))
+    )
 
 
 def stack_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Stack:
@@ -101,7 +75,8 @@ def stack_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         try:
             base = stack_from_env_dir(args.env_dir)
         except (OSError, ValueError) as exc:
-            parser.error(f"--env-dir {args.env_dir}: {exc}")
+            # launch's messages already name the directory or the file and line.
+            parser.error(str(exc))
     return Stack(
         args.router_url or base.router_url,
         args.prefill_url or base.prefill_url,

@@ -1,4 +1,5 @@
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -111,3 +112,36 @@ def run_tool(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
     )
+
+
+def set_env_values(path: Path, **values: str) -> None:
+    """Replace KEY=... lines of an env file, appending the keys it does not have."""
+    lines = path.read_text().splitlines()
+    pending = dict(values)
+    for i, line in enumerate(lines):
+        key = line.partition("=")[0]
+        if key in pending and not line.startswith("#"):
+            lines[i] = f"{key}={pending.pop(key)}"
+    lines += [f"{k}={v}" for k, v in pending.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def copy_env_dir(dest: Path, **common: str) -> Path:
+    """The repository's env/ (without the A/B overlays) with some common.env values replaced."""
+    shutil.copytree(ROOT / "env", dest, ignore=shutil.ignore_patterns("ab", "backups"))
+    set_env_values(dest / "common.env", **common)
+    return dest
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all held open until chosen, so no two are the same)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
