@@ -140,9 +140,7 @@ def series_patches(paths: Paths) -> list[Path]:
     missing = [n for n in names if not (paths.patches / n).is_file()]
     if missing:
         raise SeriesError(f"patches/series lists missing patch {missing[0]}")
-    unlisted = sorted(
-        p.name for p in paths.patches.glob("*.patch") if p.name not in set(names)
-    )
+    unlisted = sorted(p.name for p in paths.patches.glob("*.patch") if p.name not in set(names))
     if unlisted:
         raise SeriesError(f"patch {unlisted[0]} is not listed in patches/series")
     return [paths.patches / n for n in names]
@@ -431,9 +429,7 @@ def manifest(paths: Paths, pin: Pin, tag: str, label: str) -> dict:
             "wheel": pin.wheel_name(tag),
             "sha256": pin.wheels[tag],
         },
-        "patches": [
-            {"name": p.name, "sha256": sha256_of(p)} for p in series_patches(paths)
-        ],
+        "patches": [{"name": p.name, "sha256": sha256_of(p)} for p in series_patches(paths)],
         "overlay": [
             {"path": rel.as_posix(), "sha256": sha256_of(paths.overlay / rel)}
             for rel in overlay_files(paths)
@@ -573,6 +569,7 @@ def cmd_rebase(paths: Paths, args) -> int:
 
 
 def cmd_label(paths: Paths, args) -> int:
+    Pin.load(paths.patches)  # a missing or broken pin is a one-line error, not a traceback
     print(series_label(paths))
     return 0
 
@@ -606,8 +603,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     tag_options(r)
     sub.add_parser("label", help="print the local version label of this series")
     commands = ("build", "check", "refresh", "rebase", "label")
-    if not argv or (argv[0] not in commands and argv[0] not in ("-h", "--help")):
-        argv = ["build", *argv]
+    # The command defaults to build; --root (used by the tests) may come before it.
+    lead = 2 if argv[:1] == ["--root"] else 1 if argv[:1] and argv[0].startswith("--root=") else 0
+    rest = argv[lead:]
+    if not rest or (rest[0] not in commands and rest[0] not in ("-h", "--help")):
+        argv = [*argv[:lead], "build", *rest]
     return parser.parse_args(argv)
 
 
