@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import signal
@@ -145,3 +146,83 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+PD = ROOT / "launch" / "pd"
+
+
+class SimStack:
+    """launch/pd --sim on a copy of env/ with free loopback ports and its own run dir."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        prefill, boot, decode, router, prom = free_ports(5)
+        self.run_dir = tmp / "run"
+        self.env = copy_env_dir(
+            tmp / "env",
+            PREFILL_HOST="127.0.0.1",
+            PREFILL_PORT=str(prefill),
+            PREFILL_BOOTSTRAP_PORT=str(boot),
+            DECODE_HOST="127.0.0.1",
+            DECODE_PORT=str(decode),
+            ROUTER_HOST="127.0.0.1",
+            ROUTER_PORT=str(router),
+            ROUTER_PROMETHEUS_PORT=str(prom),
+            PD_RUN_DIR=str(self.run_dir),
+            PD_SUPERVISOR="local",
+            PD_POLL_INTERVAL_S="0.2",
+            API_KEY="",
+        )
+        set_env_values(
+            self.env / "router.env",
+            ROUTER_ARGS='"--policy round_robin --health-check-interval-secs 1 '
+            '--worker-startup-check-interval 1"',
+        )
+
+    def pd(self, verb: str, timeout_s: float = 90.0) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(PD), verb, "--sim", "--env-dir", str(self.env)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+
+    def kill_leftovers(self) -> None:
+        """Whatever `down` missed: recorded pids and any process naming this stack's tmp dir."""
+        import psutil
+
+        targets = []
+        for path in self.run_dir.glob("*.pid") if self.run_dir.is_dir() else []:
+            try:
+                targets.append(psutil.Process(json.loads(path.read_text())["pid"]))
+            except (psutil.Error, ValueError, KeyError):
+                pass
+        needle = str(self.tmp.resolve())
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if any(needle in part for part in proc.info["cmdline"] or []):
+                    targets.append(proc)
+            except psutil.Error:
+                continue
+        for proc in targets:
+            try:
+                for child in proc.children(recursive=True):
+                    child.kill()
+                proc.kill()
+            except psutil.Error:
+                pass
+
+
+@pytest.fixture(scope="module")
+def sim_stack(tmp_path_factory):
+    stack = SimStack(tmp_path_factory.mktemp("sim"))
+    try:
+        up = stack.pd("up")
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield stack
+    finally:
+        try:
+            stack.pd("down", timeout_s=60)
+        finally:
+            stack.kill_leftovers()

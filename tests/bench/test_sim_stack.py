@@ -6,98 +6,121 @@ client straight to the router passes 24/24.
 """
 
 import json
-import shutil
+from importlib.metadata import PackageNotFoundError, distribution
 
 import pytest
-from conftest import ROOT, free_port, run_tool
+from conftest import ROOT, run_tool
 
-PD = ROOT / "launch" / "pd"
-ENV = ROOT / "env"
-pytestmark = pytest.mark.skipif(
-    not (PD.exists() and (ENV / "ab" / "B.env").exists()),
-    reason="needs launch/pd and env/ from the launch work, not in this tree yet",
-)
-SMALL = ["--deadline-s", "5", "--max-tokens", "8", "--first-words", "40", "--turn-words", "10"]
+from bench.lib.stack import stack_from_env_dir
+
+DEADLINE_S = 3
+SMALL = ["--max-tokens", "8", "--first-words", "40", "--turn-words", "10"]
+TINY_AB = [
+    "--concurrency",
+    "4,8",
+    "--trials",
+    "2",
+    "--requests-per-c",
+    "1",
+    "--input-words",
+    "8",
+    "--output-tokens",
+    "4",
+    "--warmup",
+    "1",
+    "--no-progress",
+]
 
 
-def _pd(verb, env_dir, timeout_s=180):
-    return run_tool(str(PD), verb, "--sim", "--env-dir", str(env_dir), timeout_s=timeout_s)
-
-
-@pytest.fixture(scope="module")
-def sim_env(tmp_path_factory):
-    """A copy of env/ on free ports, with the sim stack up; torn down after the module."""
-    env_dir = tmp_path_factory.mktemp("sim") / "env"
-    shutil.copytree(ENV, env_dir)
-    for path in env_dir.glob("*.env"):
-        lines = []
-        for line in path.read_text().splitlines():
-            key = line.partition("=")[0].strip()
-            if key.endswith("_PORT") and not line.startswith("#"):
-                line = f"{key}={free_port()}"
-            lines.append(line)
-        path.write_text("\n".join(lines) + "\n")
-    up = _pd("up", env_dir)
+def _patched_manifest() -> str | None:
     try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        yield env_dir
-    finally:
-        _pd("down", env_dir)
+        return distribution("sglang").read_text("sm120pd_manifest.json")
+    except PackageNotFoundError:
+        return None
 
 
-def _router(env_dir):
-    from bench.lib.stack import stack_from_env_dir
-
-    return stack_from_env_dir(env_dir).router_url
-
-
-def test_multiround_direct_to_router_passes_every_round(sim_env):
-    result = run_tool("bench/multiround", "--url", _router(sim_env), *SMALL, timeout_s=120)
+def test_multiround_direct_to_router_passes_every_round(sim_stack):
+    router = stack_from_env_dir(sim_stack.env).router_url
+    result = run_tool(
+        "bench/multiround", "--url", router, "--deadline-s", "20", *SMALL, timeout_s=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-1] == "24/24 rounds ok"
 
 
-def test_stalled_proxy_is_blamed_on_the_connection_layer(sim_env, fault_proxy):
-    proxy = fault_proxy(_router(sim_env), "--stall-after", "2")
+def test_stalled_proxy_is_blamed_on_the_connection_layer(sim_stack, fault_proxy):
+    proxy = fault_proxy(stack_from_env_dir(sim_stack.env).router_url, "--stall-after", "2")
     result = run_tool(
-        "bench/multiround", "--url", proxy, "--env-dir", str(sim_env), *SMALL, timeout_s=120
+        "bench/multiround",
+        "--url",
+        proxy,
+        "--env-dir",
+        str(sim_stack.env),
+        "--deadline-s",
+        str(DEADLINE_S),
+        *SMALL,
+        timeout_s=60,
     )
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "no answer within the 5 s deadline, connection reused" in result.stdout
+    assert f"no answer within the {DEADLINE_S} s deadline, connection reused" in result.stdout
     assert "triage verdict: connection layer between client and router" in result.stdout
     assert "running 0 -> 0" in result.stdout
 
 
-def test_ab_co_restart_verifies_the_knob_per_trial(sim_env, tmp_path):
+def test_ab_url_mode_against_the_sim_router(sim_stack, tmp_path):
+    router = stack_from_env_dir(sim_stack.env).router_url
     out = tmp_path / "ab"
     result = run_tool(
         "bench/ab",
-        "--a",
-        str(ENV / "ab" / "A.env"),
-        "--b",
-        str(ENV / "ab" / "B.env"),
-        "--env-dir",
-        str(sim_env),
-        "--sim",
-        "--concurrency",
-        "64,80,96",
-        "--trials",
-        "2",
-        "--requests-per-c",
-        "1",
-        "--input-words",
-        "8",
-        "--output-tokens",
-        "4",
-        "--warmup",
-        "1",
-        "--no-progress",
+        "--url-a",
+        router,
+        "--url-b",
+        router,
+        *TINY_AB,
         "--out",
         str(out),
-        timeout_s=600,
+        timeout_s=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert {r["concurrency"] for r in summary["runs"]} == {64, 80, 96}
+    runs = {(r["arm"], r["trial"], r["concurrency"]) for r in summary["runs"]}
+    assert runs == {(a, t, c) for a in "AB" for t in (1, 2) for c in (4, 8)}
+    lines = (out / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * 2 * (4 + 8)
+    assert all(json.loads(line)["success"] for line in lines)
+
+
+@pytest.mark.skipif(
+    not _patched_manifest(),
+    reason="co-restart ends with launch/pd verify, whose patched-build check needs the "
+    "patched sglang wheel (no sm120pd_manifest.json in the installed sglang)",
+)
+def test_ab_co_restart_verifies_the_knob_per_trial(sim_stack):
+    # Inside the stack's tmp dir, so the leftover sweep also finds processes started from the
+    # arms' env copies.
+    out = sim_stack.tmp / "ab-co-restart"
+    result = run_tool(
+        "bench/ab",
+        "--a",
+        str(ROOT / "env" / "ab" / "A.env"),
+        "--b",
+        str(ROOT / "env" / "ab" / "B.env"),
+        "--env-dir",
+        str(sim_stack.env),
+        "--sim",
+        # Each trial co-restarts all three roles (about 15 s on the sim), so one trial per arm.
+        *TINY_AB,
+        "--trials",
+        "1",
+        "--out",
+        str(out),
+        timeout_s=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    runs = {(r["arm"], r["trial"], r["concurrency"]) for r in summary["runs"]}
+    assert runs == {(a, 1, c) for a in "AB" for c in (4, 8)}
     assert all(r["knob"]["required"] and r["knob"]["verified"] for r in summary["runs"])
-    assert (out / "throughput.png").exists() and (out / "tpot.png").exists()
+    keys = {r["arm"]: r["knob"]["keys"] for r in summary["runs"]}
+    assert keys["A"]["SGLANG_SM120_MMA_TARGET_CTAS"] == "auto"
+    assert keys["B"]["SGLANG_SM120_MMA_TARGET_CTAS"] == "512"
