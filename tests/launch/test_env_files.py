@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from conftest import ROOT, SECRET, run_pd, set_values
+from launch_harness import ROOT, SECRET, run_pd, set_values
 
 
 def env_check(env_dir):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import ROOT, SECRET, set_values
+from launch_harness import ROOT, SECRET, set_values
 
 
 def dry_run(role, env_dir, *extra):

@@ -9,9 +9,10 @@ import signal
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
-from conftest import SECRET, SimStack, kill_all, processes_using, set_values
+from launch_harness import SECRET, SimStack, kill_all, processes_using, set_values
 
 
 def get_json(url: str, key: str = ""):
@@ -108,18 +109,26 @@ def test_verify_fails_when_a_knob_is_only_in_the_file(sim_stack: SimStack):
         decode_env.write_text(before)
 
 
-def test_verify_fails_on_plain_upstream_sglang_without_crashing(sim_stack: SimStack):
-    done = run_without_fake_manifest(sim_stack, "verify")
+def test_verify_fails_on_plain_upstream_sglang_without_crashing(
+    sim_stack: SimStack, tmp_path: Path
+):
+    done = run_with_plain_upstream_metadata(sim_stack, tmp_path, "verify")
     assert done.returncode == 1
     assert "FAIL patched build" in done.stdout
     assert "no sm120pd_manifest.json" in done.stdout
     assert "Traceback" not in done.stderr
 
 
-def run_without_fake_manifest(stack: SimStack, verb: str):
-    from conftest import run_pd
+def run_with_plain_upstream_metadata(stack: SimStack, tmp: Path, verb: str):
+    """Run pd where importlib.metadata finds upstream's sglang dist-info (no manifest) first."""
+    from launch_harness import run_pd
 
-    return run_pd(verb, "--env-dir", str(stack.env), "--sim")
+    info = tmp / "site" / "sglang-0.5.23.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.4\nName: sglang\nVersion: 0.5.23\n")
+    return run_pd(
+        verb, "--env-dir", str(stack.env), "--sim", env_extra={"PYTHONPATH": str(info.parent)}
+    )
 
 
 def test_co_restart_stops_at_a_role_that_never_gets_healthy(sim_stack: SimStack):

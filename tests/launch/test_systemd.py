@@ -6,7 +6,7 @@ import os
 import re
 import subprocess
 
-from conftest import ROOT, kill_all, run_pd, set_values
+from launch_harness import ROOT, kill_all, run_pd, set_values
 
 FAKE_SYSTEMCTL = """#!/usr/bin/env bash
 set -euo pipefail

@@ -11,7 +11,7 @@ import time
 import traceback
 
 import torch.distributed as dist
-from conftest import FakeClock, MiniPrefillScheduler
+from pd_harness import FakeClock, MiniPrefillScheduler
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.inflight_timeout import ENV_NAME
 from sglang.srt.managers.schedule_batch import FINISH_ABORT

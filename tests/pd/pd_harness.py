@@ -1,0 +1,228 @@
+"""A prefill scheduler built from real upstream pieces, small enough for a CPU test.
+
+The scheduler object carries the real SchedulerDisaggregationPrefillMixin
+methods; its pools (req_to_token rows, token allocator, metadata buffer slots)
+and tree cache are the real upstream classes at tiny sizes. KV senders are the
+real CommonKVSender over a CommonKVManager whose __init__ (sockets, bootstrap
+registration) is skipped: a test moves a room through KVPoll states with the
+manager's own update_status, as its bootstrap and transfer threads would.
+Polls are MIN-all-reduced over real gloo process groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+import threading
+import time
+from array import array
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed as dist
+from sglang.srt import runtime_context
+from sglang.srt.server_args import ServerArgs
+
+# Published before the upstream modules below are used: they read the process
+# config (disaggregation mode, parallel ranks) through runtime_context.
+# A config-only model directory: server-args resolution reads the model's
+# config, and nothing here loads weights.
+_MODEL_DIR = tempfile.mkdtemp(prefix="pd-tiny-model-")
+with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
+    json.dump(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "num_hidden_layers": 1,
+            "vocab_size": 128,
+            "max_position_embeddings": 256,
+        },
+        f,
+    )
+_SERVER_ARGS = ServerArgs(
+    model_path=_MODEL_DIR,
+    disaggregation_mode="prefill",
+    device="cpu",
+)
+runtime_context.publish(_SERVER_ARGS, role="scheduler")
+runtime_context.get_parallel().override_permanently(tp_rank=0)
+
+from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVSender  # noqa: E402
+from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode, ReqToMetadataIdxAllocator  # noqa: E402
+from sglang.srt.managers.schedule_batch import Req  # noqa: E402
+from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+BOOTSTRAP_TIMEOUT_S = 300
+GROUP_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+class FakeClock:
+    """Replaces time.time and time.monotonic; only a test moves it."""
+
+    def __init__(self, start: float = 1_000_000.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class RecordingStreamer:
+    """What the scheduler would send to the tokenizer manager, i.e. the client."""
+
+    streamed: list = field(default_factory=list)
+
+    def stream_output(self, reqs, *args, **kwargs) -> None:
+        self.streamed.extend(reqs)
+
+
+@dataclass
+class MetricsReporter:
+    enable_metrics: bool = True
+    kv_transfer_latency_ms: float = 0.0
+    kv_transfer_speed_gb_s: float = 0.0
+
+
+class FailureCounters:
+    """Counts the collector's failure increments as its prometheus counters
+    would; the real collector registers process-global metric names and cannot
+    be built once per test."""
+
+    def __init__(self):
+        self.transfer_failed = 0
+        self.bootstrap_failed = 0
+
+    def increment_transfer_failed_reqs(self) -> None:
+        self.transfer_failed += 1
+
+    def increment_bootstrap_failed_reqs(self) -> None:
+        self.bootstrap_failed += 1
+
+
+class MiniPrefillScheduler(SchedulerDisaggregationPrefillMixin):
+    """The state process_disagg_prefill_inflight_queue and its failure path read."""
+
+    _release_aborted_request = Scheduler._release_aborted_request
+
+    def __init__(self, group: dist.ProcessGroup, rows: int = 4, tokens: int = 128):
+        self.scheduler_stage_metrics = None
+        self.disagg_prefill_inflight_queue: list[Req] = []
+        self.disagg_prefill_pending_chunk_rids: set[str] = set()
+        self.attn_tp_cpu_group = group
+        self.attn_cp_cpu_group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, GROUP_TIMEOUT)
+        self.req_to_token_pool = ReqToTokenPool(
+            size=rows, max_context_len=64, device="cpu", enable_memory_saver=False
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            size=tokens, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
+        )
+        self.tree_cache = RadixCache(
+            CacheInitParams(
+                disable=True,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+                page_size=1,
+            )
+        )
+        self.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(rows)
+        self.output_streamer = RecordingStreamer()
+        self.metrics_reporter = MetricsReporter()
+        self.metrics_collector = FailureCounters()
+        self.kv_manager = make_kv_manager()
+
+    def free_counts(self) -> dict[str, int]:
+        return {
+            "req_to_token rows": self.req_to_token_pool.available_size(),
+            "kv tokens": self.token_to_kv_pool_allocator.available_size(),
+            "metadata buffers": self.req_to_metadata_buffer_idx_allocator.available_size(),
+            "tree protected tokens": self.tree_cache.protected_size(),
+        }
+
+    def admit_finished_prefill(self, rid: str, room: int, input_len: int = 5) -> Req:
+        """Take a request through what admission and its prefill forward leave
+        behind (tree lock, row, KV tokens, metadata slot, first output token),
+        then append it to the inflight queue as process_batch_result does."""
+        req = Req(
+            rid=rid,
+            origin_input_text="",
+            origin_input_ids=array("q", range(1, input_len + 1)),
+            sampling_params=SamplingParams(max_new_tokens=8),
+        )
+        req.bootstrap_host = "127.0.0.1"
+        req.bootstrap_room = room
+        req.init_next_round_input(self.tree_cache)
+        req.lock = self.tree_cache.lock(req.last_node)
+        self.req_to_token_pool.alloc([req])
+        locs = self.token_to_kv_pool_allocator.alloc(input_len)
+        self.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, input_len)), locs.int())
+        req.kv.kv_allocated_len = input_len
+        req.kv.kv_committed_len = input_len
+        req.metadata_buffer_index = self.req_to_metadata_buffer_idx_allocator.alloc()
+        req.disagg_kv_sender = CommonKVSender(self.kv_manager, "127.0.0.1:0", room)
+        req.output_ids.append(7)
+        self.disagg_prefill_inflight_queue.append(req)
+        return req
+
+    def set_status(self, req: Req, status: int) -> None:
+        """What the bootstrap thread (WaitingForInput) or the transfer worker
+        (Transferring, Success) does to a room."""
+        self.kv_manager.update_status(req.bootstrap_room, status)
+
+    def tick(self) -> list[Req]:
+        return self.process_disagg_prefill_inflight_queue()
+
+
+def make_kv_manager() -> CommonKVManager:
+    """A prefill-mode CommonKVManager without sockets or bootstrap registration:
+    exactly the fields its status, failure and sender methods use."""
+    mgr = CommonKVManager.__new__(CommonKVManager)
+    mgr.disaggregation_mode = DisaggregationMode.PREFILL
+    mgr.is_dummy_cp_rank = False
+    mgr.request_status = {}
+    mgr.failure_records = {}
+    mgr.failure_lock = threading.Lock()
+    mgr._staging_outstanding = {}
+    mgr._deferred_ack_targets = {}
+    mgr._deferred_ack_poisoned_rooms = set()
+    mgr.transfer_infos = {}
+    mgr.req_to_decode_prefix_len = {}
+    mgr.enable_deferred_decode_kv_release = False
+    mgr.bootstrap_timeout = BOOTSTRAP_TIMEOUT_S
+    mgr.kv_item_lens_sum = 576
+    mgr.state_item_lens_sum = 0
+    mgr._kv_replica_factor = 1
+    return mgr
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(time, "time", fake)
+    monkeypatch.setattr(time, "monotonic", fake)
+    return fake
+
+
+@pytest.fixture
+def single_rank_group() -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, GROUP_TIMEOUT)
+
+
+@pytest.fixture
+def scheduler(single_rank_group, clock) -> MiniPrefillScheduler:
+    return MiniPrefillScheduler(single_rank_group)
