@@ -467,17 +467,20 @@ def cmd_check(paths: Paths, args) -> int:
             problems.append(f"{patch.name}: {problem}")
     outcomes: dict[str, list[str]] = {p.name: [] for p in patches}
     stale: set[str] = set()
+    untried: dict[str, list[str]] = {p.name: [] for p in patches}
     for tag in pin.wheels:
         with tempfile.TemporaryDirectory(dir=mkdir(paths.build)) as tmp:
             src = Path(tmp) / "src"
             wheel = fetch(paths, pin, tag)
             unpack_upstream(wheel, src, only=touched_files(patches))
             lay_overlay(paths, src, upstream_files(wheel))
-            for patch in patches:
+            for index, patch in enumerate(patches):
                 applied = apply_patch(src, patch)
                 if applied.outcome != "clean":
                     outcomes[patch.name].append(f"{tag}: {applied.outcome} {applied.detail}")
                 if applied.outcome == "conflict":
+                    for later in patches[index + 1 :]:
+                        untried[later.name].append(tag)
                     break
             else:
                 exported = export_patches(src, Path(tmp) / "export")
@@ -489,8 +492,14 @@ def cmd_check(paths: Paths, args) -> int:
             problems.append(f"{patch.name}: {bad[0]}")
         if patch.name in stale:
             problems.append(f"{patch.name}: stale, exporting the tree changes it (run refresh)")
-        status = "FAIL" if bad or patch.name in stale or header_problem(paths, patch) else "ok"
-        print(f"{status:<4} {patch.name}")
+        if bad or patch.name in stale or header_problem(paths, patch):
+            status = "FAIL"
+        elif untried[patch.name]:
+            status = "----"  # not applied: an earlier patch conflicts
+        else:
+            status = "ok"
+        note = f" (not tried on {len(untried[patch.name])} tags)" if untried[patch.name] else ""
+        print(f"{status:<4} {patch.name}{note}")
     for name in sorted(stale - set(outcomes)):
         problems.append(f"{name}: the tree exports a patch the series lacks (run refresh)")
     if not patches:
