@@ -173,10 +173,12 @@ class SimStack:
             PD_POLL_INTERVAL_S="0.2",
             API_KEY="",
         )
+        # Faster health checks, and no long drain on stop: every down and co-restart stops the
+        # router, and the tests have nothing in flight then.
         set_env_values(
             self.env / "router.env",
             ROUTER_ARGS='"--policy round_robin --health-check-interval-secs 1 '
-            '--worker-startup-check-interval 1"',
+            '--worker-startup-check-interval 1 --shutdown-grace-period-secs 1"',
         )
 
     def pd(self, verb: str, timeout_s: float = 90.0) -> subprocess.CompletedProcess:
