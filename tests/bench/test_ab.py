@@ -1,6 +1,6 @@
 import json
 
-from conftest import run_tool
+from bench_harness import run_tool
 
 TINY = [
     "--trials",

@@ -1,4 +1,4 @@
-from conftest import run_tool
+from bench_harness import run_tool
 
 SMALL = ["--deadline-s", "2", "--max-tokens", "8", "--first-words", "20", "--turn-words", "5"]
 

@@ -3,7 +3,7 @@ import time
 
 import aiohttp
 import pytest
-from conftest import run_tool
+from bench_harness import run_tool
 
 from bench.lib.client import ChatRequest, connection_tracing, stream_chat
 

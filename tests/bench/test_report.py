@@ -1,7 +1,7 @@
 import copy
 import json
 
-from conftest import run_tool
+from bench_harness import run_tool
 
 from bench.lib.report import compare, render
 

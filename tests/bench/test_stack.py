@@ -1,5 +1,5 @@
 import pytest
-from conftest import ROOT, copy_env_dir, set_env_values
+from bench_harness import ROOT, copy_env_dir, set_env_values
 
 from bench.lib.arms import apply_overlay
 from bench.lib.stack import Stack, stack_from_env_dir

@@ -9,7 +9,7 @@ import json
 from importlib.metadata import PackageNotFoundError, distribution
 
 import pytest
-from conftest import ROOT, run_tool
+from bench_harness import ROOT, run_tool
 
 from bench.lib.stack import stack_from_env_dir
 
