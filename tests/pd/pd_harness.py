@@ -11,6 +11,7 @@ Polls are MIN-all-reduced over real gloo process groups.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import os
@@ -54,9 +55,19 @@ _SERVER_ARGS = ServerArgs(
 runtime_context.publish(_SERVER_ARGS, role="scheduler")
 runtime_context.get_parallel().override_permanently(tp_rank=0)
 
-from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVSender  # noqa: E402
+from sglang.srt.disaggregation.base import KVPoll  # noqa: E402
+from sglang.srt.disaggregation.common.conn import (  # noqa: E402
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.decode import DecodeRequest, DecodeTransferQueue  # noqa: E402
 from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin  # noqa: E402
-from sglang.srt.disaggregation.utils import DisaggregationMode, ReqToMetadataIdxAllocator  # noqa: E402
+from sglang.srt.disaggregation.utils import (  # noqa: E402
+    DisaggregationMode,
+    MetadataBuffers,
+    ReqToMetadataIdxAllocator,
+)
 from sglang.srt.managers.schedule_batch import Req  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
@@ -64,8 +75,12 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 BOOTSTRAP_TIMEOUT_S = 300
+# SGLANG_DISAGGREGATION_WAITING_TIMEOUT's upstream default, as a decode-mode
+# manager reads it at startup.
+WAITING_TIMEOUT_S = 300
 GROUP_TIMEOUT = datetime.timedelta(seconds=30)
 
 
@@ -210,6 +225,153 @@ def make_kv_manager() -> CommonKVManager:
     return mgr
 
 
+class NoReasoning:
+    """The batch-result processor's reasoning-token hook, for a request that
+    does not reason."""
+
+    def _maybe_update_reasoning_tokens(self, req, token_id) -> None:
+        pass
+
+
+class MiniDecodeScheduler:
+    """The scheduler fields the decode transfer queue reads."""
+
+    enable_decode_hicache = False
+    enable_hisparse = False
+    kv_checksum_computer = None
+    disagg_decode_prealloc_queue = None
+
+    def __init__(self):
+        self.spec_algorithm = SpeculativeAlgorithm.NONE
+        self.output_streamer = RecordingStreamer()
+        self.metrics_reporter = MetricsReporter()
+        self.metrics_collector = FailureCounters()
+        self.batch_result_processor = NoReasoning()
+
+
+class MiniDecodeTransferQueue(DecodeTransferQueue):
+    """Upstream's DecodeTransferQueue over tiny real pools. Only __init__ is
+    replaced: it reads the parallel groups and the decode flags from the
+    runtime context; this sets the same fields for one rank of `group` with
+    staging, host receive and deferred release off (their defaults)."""
+
+    def __init__(self, group: dist.ProcessGroup, rows: int = 4, tokens: int = 128):
+        self.queue = []
+        self.gloo_group = group
+        self.tp_rank = group.rank()
+        self.scheduler = MiniDecodeScheduler()
+        self.spec_algorithm = self.scheduler.spec_algorithm
+        self.enable_host_receive = False
+        self._skipped_checksum_signatures = set()
+        self.enable_staging = False
+        self.staging_handler = None
+        self.enable_deferred_kv_release = False
+        self.deferred_kv_release_timeout = 0
+        self._deferred_releases = []
+        self.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(rows)
+        self.metadata_buffers = MetadataBuffers(
+            rows, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=1
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            size=rows, max_context_len=64, device="cpu", enable_memory_saver=False
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            size=tokens, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
+        )
+        self.tree_cache = RadixCache(
+            CacheInitParams(
+                disable=True,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+                page_size=1,
+            )
+        )
+        self.kv_manager = make_decode_kv_manager()
+
+    def free_counts(self) -> dict[str, int]:
+        return {
+            "req_to_token rows": self.req_to_token_pool.available_size(),
+            "kv tokens": self.token_to_kv_pool_allocator.available_size(),
+            "metadata buffers": self.req_to_metadata_buffer_idx_allocator.available_size(),
+        }
+
+    def admit_preallocated(self, rid: str, room: int, input_len: int = 5) -> DecodeRequest:
+        """Take a request through what the prealloc queue leaves behind (a
+        bootstrapped receiver, a req_to_token row and KV tokens for the prompt,
+        a metadata slot, the destination sent to prefill) and append it to the
+        transfer queue as pop_preallocated's caller does."""
+        req = Req(
+            rid=rid,
+            origin_input_text="",
+            origin_input_ids=array("q", range(1, input_len + 1)),
+            sampling_params=SamplingParams(max_new_tokens=8),
+        )
+        req.bootstrap_host = "127.0.0.1"
+        req.bootstrap_room = room
+        receiver = CommonKVReceiver(self.kv_manager, "127.0.0.1:0", room)
+        # init() with the "early" allocation policy, then send_metadata().
+        self.kv_manager.update_status(room, KVPoll.WaitingForInput)
+        receiver.init_time = time.time()
+        self.req_to_token_pool.alloc([req])
+        locs = self.token_to_kv_pool_allocator.alloc(input_len)
+        self.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, input_len)), locs.int())
+        req.kv.kv_allocated_len = input_len
+        req.kv.kv_committed_len = input_len
+        decode_req = DecodeRequest(
+            req=req,
+            kv_receiver=receiver,
+            waiting_for_input=True,
+            metadata_buffer_index=self.req_to_metadata_buffer_idx_allocator.alloc(),
+        )
+        self.queue.append(decode_req)
+        return decode_req
+
+    def kv_arrives(self, decode_req: DecodeRequest) -> None:
+        """The decode manager learns the room's KV chunks all landed."""
+        self.kv_manager.update_status(decode_req.req.bootstrap_room, KVPoll.Success)
+
+    def metadata_arrives(self, decode_req: DecodeRequest, first_token: int = 7) -> None:
+        """Prefill's write of the request's metadata row (MetadataBuffers.set_buf)."""
+        sent = Req(
+            rid=decode_req.req.rid,
+            origin_input_text="",
+            origin_input_ids=decode_req.req.origin_input_ids,
+            sampling_params=SamplingParams(max_new_tokens=8),
+        )
+        sent.bootstrap_room = decode_req.req.bootstrap_room
+        sent.metadata_buffer_index = decode_req.metadata_buffer_index
+        sent.output_ids.append(first_token)
+        self.metadata_buffers.set_buf(sent)
+
+    def tick(self) -> list[Req]:
+        return self.pop_transferred()
+
+
+def make_decode_kv_manager() -> CommonKVManager:
+    """A decode-mode CommonKVManager without sockets or engine registration."""
+    mgr = CommonKVManager.__new__(CommonKVManager)
+    mgr.disaggregation_mode = DisaggregationMode.DECODE
+    mgr.is_dummy_cp_rank = False
+    mgr.request_status = {}
+    mgr.failure_records = {}
+    mgr.failure_lock = threading.Lock()
+    mgr._staging_outstanding = {}
+    mgr._deferred_ack_targets = {}
+    mgr._deferred_ack_poisoned_rooms = set()
+    mgr.transfer_infos = {}
+    mgr.req_to_decode_prefix_len = {}
+    mgr.enable_deferred_decode_kv_release = False
+    mgr.deferred_bootstrap = None
+    mgr.defer_decode_allocation = False
+    mgr.addr_to_rooms_tracker = collections.defaultdict(set)
+    mgr.prefill_response_tracker = {}
+    mgr.required_prefill_response_num_table = {}
+    mgr.connection_lock = threading.Lock()
+    mgr.connection_pool = {}
+    mgr.waiting_timeout = WAITING_TIMEOUT_S
+    return mgr
+
+
 @pytest.fixture
 def clock(monkeypatch) -> FakeClock:
     fake = FakeClock()
@@ -226,3 +388,8 @@ def single_rank_group() -> dist.ProcessGroup:
 @pytest.fixture
 def scheduler(single_rank_group, clock) -> MiniPrefillScheduler:
     return MiniPrefillScheduler(single_rank_group)
+
+
+@pytest.fixture
+def transfer_queue(single_rank_group, clock) -> MiniDecodeTransferQueue:
+    return MiniDecodeTransferQueue(single_rank_group)
