@@ -22,7 +22,8 @@ Commands:
   rebase VERSION   try the series on another upstream release and print a table (changes nothing)
   label            print the local version label of the current series
   test [ARGS]      create .venv, install the pinned test dependencies, build and install the
-                   patched wheel, run ruff check, ruff format --check and pytest (ARGS go to pytest)
+                   patched wheel, run ruff check, ruff format --check, shellcheck and pytest
+                   (ARGS go to pytest)
   clean            remove build/ and dist/ (the upstream wheel cache is kept)
 
 Environment: SM120PD_CACHE  upstream wheel cache (default ~/.cache/sm120pd/upstream)
@@ -36,7 +37,9 @@ tools_python() {
   if [[ ! -x "$py" ]] || ! "$py" -c 'import wheel' 2>/dev/null; then
     echo "setting up build tools in build/tools-venv" >&2
     "${PYTHON:-python3}" -m venv --clear "$TOOLS_VENV"
-    "$py" -m pip install --quiet $(build_requirements)
+    local -a requirements
+    read -r -a requirements <<<"$(build_requirements)"
+    "$py" -m pip install --quiet "${requirements[@]}"
   fi
   printf '%s\n' "$py"
 }
@@ -72,6 +75,8 @@ run_tests() {
   "$TEST_VENV/bin/ruff" check .
   echo "== ruff format --check"
   "$TEST_VENV/bin/ruff" format --check .
+  echo "== shellcheck"
+  "$TEST_VENV/bin/shellcheck" --external-sources build.sh .ci/run launch/pd launch/*.sh bench/kernel
   echo "== pytest"
   "$TEST_VENV/bin/python" -m pytest "$@"
 }

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared glue for prefill.sh, decode.sh and router.sh (sourced, not run).
 # Reads common.env and the role's env file the way systemd's EnvironmentFile= does, builds the
 # role's command line, and either prints it (--dry-run, secrets redacted) or execs it.

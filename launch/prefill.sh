@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prefill engine: sglang.launch_server in PD prefill mode, configured by the env files.
 set -euo pipefail
-# shellcheck source=launch/lib.sh
+# shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 main() {

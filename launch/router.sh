@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Router: the smg gateway in PD mode in front of the prefill and decode engines.
 set -euo pipefail
-# shellcheck source=launch/lib.sh
+# shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 main() {
