@@ -399,6 +399,11 @@ def repack(paths: Paths, pin: Pin, tag: str, src: Path, label: str) -> Path:
             raise SeriesError(f"wheel pack did not produce {name}")
         # Moved into dist/ only when complete, so a failed build leaves no partial wheel.
         (packed / name).replace(paths.dist / name)
+    # One wheel per tag: an older label beside it makes `pip install dist/*.whl` unresolvable.
+    for stale in paths.dist.glob(f"{pin.name}-{pin.version}+*-{tag}.whl"):
+        if stale.name != name:
+            stale.unlink()
+            print(f"[{tag}] removed {stale.name} (older label)", flush=True)
     return paths.dist / name
 
 

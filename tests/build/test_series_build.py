@@ -127,6 +127,23 @@ def test_label_changes_when_a_patch_or_an_overlay_file_changes(project, three_pa
     assert only_wheel(project).name == f"{NAME}-{VERSION}+{after_overlay}-{TAG}.whl"
 
 
+def test_a_rebuild_with_a_new_label_replaces_the_older_wheel_of_that_tag(project, three_patches):
+    project.series(three_patches)
+    project.overlay(OVERLAY_FILE, "KNOB = 1\n")
+    project.ok("build")
+    older = only_wheel(project).name
+    unrelated = project.dist / f"other-1.0-{TAG}.whl"
+    unrelated.write_bytes(b"not ours")
+
+    project.overlay(OVERLAY_FILE, "KNOB = 2\n")
+    result = project.ok("build")
+    label = project.ok("label").stdout.strip()
+    assert f"removed {older} (older label)" in result.stdout
+    ours = sorted(p.name for p in project.dist.glob(f"{NAME}-*.whl"))
+    assert ours == [f"{NAME}-{VERSION}+{label}-{TAG}.whl"]
+    assert unrelated.is_file()
+
+
 def test_every_command_has_help(project):
     for command in ("build", "check", "refresh", "rebase", "label"):
         result = project.ok(command, "--help")
