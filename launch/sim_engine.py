@@ -18,6 +18,16 @@ Timing model (all values in seconds, overridable through the environment):
                 running request one token, streamed as it is made. At most --max-running-requests
                 (default 64) run; the rest queue.
 Output text is deterministic ("tok0 tok1 ..."); max_tokens defaults to 16.
+
+Load metrics (/metrics with SGLang's names, /v1/loads, /get_load) are the live state, read at
+the moment of the request:
+  running       prefill: the request being prefilled (0 or 1); decode: the requests in the step.
+  queued        prefill: requests waiting for the prefill lock (sglang:num_queue_reqs); decode:
+                requests waiting for a running slot (sglang:num_queue_reqs) and requests
+                waiting for their KV from prefill (sglang:num_decode_transfer_queue_reqs).
+  gen_throughput  decode: tokens of the last finished step / the time that step really took;
+                0 while decode has nothing running or queued (prefill: always 0).
+  counters      sglang:generation_tokens_total counts every token made, as it is made.
 """
 
 from __future__ import annotations
@@ -138,18 +148,20 @@ class Engine:
 
     async def run_prefill(self, room: int | None, input_tokens: int) -> None:
         self.prefill_waiting += 1
+        admitted = False
         try:
             async with self.prefill_lock:
                 self.prefill_waiting -= 1
+                admitted = True
                 self.prefill_running += 1
                 try:
                     await asyncio.sleep(self.timing.prefill_seconds(input_tokens))
                 finally:
                     self.prefill_running -= 1
-        except BaseException:
-            if self.prefill_waiting and not self.prefill_lock.locked():
+        finally:
+            # A request cancelled while it waited leaves the queue count with it.
+            if not admitted:
                 self.prefill_waiting -= 1
-            raise
         if room is not None:
             self.finished_rooms[room] = input_tokens
             self.room_event(room).set()
@@ -160,15 +172,21 @@ class Engine:
 
     async def decode_loop(self) -> None:
         while True:
+            if not self.decode_queue and not self.decode_running:
+                # Idle: nothing is being generated, and the throughput gauge says so.
+                self.last_step_tokens_per_s = 0.0
             while not self.decode_queue and not self.decode_running:
                 self.decode_wakeup.clear()
                 await self.decode_wakeup.wait()
             while self.decode_queue and len(self.decode_running) < self.args.max_running_requests:
                 self.decode_running.append(self.decode_queue.popleft())
-            running = len(self.decode_running)
-            step = self.timing.decode_step_seconds(running)
-            await asyncio.sleep(step)
-            self.last_step_tokens_per_s = running / step if step > 0 else 0.0
+            started = time.perf_counter()
+            await asyncio.sleep(self.timing.decode_step_seconds(len(self.decode_running)))
+            # Requests cancelled during the step get no token; the gauge counts what was made,
+            # over the time the step really took (a loaded event loop oversleeps).
+            elapsed = time.perf_counter() - started
+            made = len(self.decode_running)
+            self.last_step_tokens_per_s = made / elapsed if elapsed > 0 else 0.0
             still = []
             for job in self.decode_running:
                 job.tokens.put_nowait(token_text(job.produced))

@@ -101,6 +101,8 @@ class Verdict:
     verdict: str
     reason: str
     evidence: list[str]
+    # The same facts as numbers (probes and engine samples), for --json readers.
+    measurements: dict = field(default_factory=dict)
 
     def render(self) -> str:
         lines = [f"triage verdict: {self.verdict}", f"because: {self.reason}", "evidence:"]
@@ -110,9 +112,14 @@ class Verdict:
 
 def decide(probes: list[Probe], engines: list[EngineLoad], fast_s: float) -> Verdict:
     evidence = [p.describe() for p in probes] + [e.describe() for e in engines]
+    measurements = {
+        "fast_s": fast_s,
+        "probes": [asdict(p) for p in probes],
+        "engines": [asdict(e) for e in engines],
+    }
 
     def out(verdict: str, reason: str) -> Verdict:
-        return Verdict(verdict, reason, evidence)
+        return Verdict(verdict, reason, evidence, measurements)
 
     if not engines or not all(e.ok for e in engines):
         return out(INCONCLUSIVE, "engine load could not be read from both prefill and decode")

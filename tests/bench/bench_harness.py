@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import shutil
@@ -154,7 +155,7 @@ PD = ROOT / "launch" / "pd"
 class SimStack:
     """launch/pd --sim on a copy of env/ with free loopback ports and its own run dir."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, decode_env: dict[str, str] | None = None):
         self.tmp = tmp
         prefill, boot, decode, router, prom = free_ports(5)
         self.run_dir = tmp / "run"
@@ -180,6 +181,8 @@ class SimStack:
             ROUTER_ARGS='"--policy round_robin --health-check-interval-secs 1 '
             '--worker-startup-check-interval 1 --shutdown-grace-period-secs 1"',
         )
+        if decode_env:
+            set_env_values(self.env / "decode.env", **decode_env)
 
     def pd(self, verb: str, timeout_s: float = 90.0) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -216,9 +219,10 @@ class SimStack:
                 pass
 
 
-@pytest.fixture(scope="module")
-def sim_stack(tmp_path_factory):
-    stack = SimStack(tmp_path_factory.mktemp("sim"))
+@contextlib.contextmanager
+def sim_stack_up(tmp: Path, decode_env: dict[str, str] | None = None):
+    """A running sim stack (launch/pd up --sim), brought down and swept afterwards."""
+    stack = SimStack(tmp, decode_env)
     try:
         up = stack.pd("up")
         assert up.returncode == 0, up.stdout + up.stderr
@@ -228,3 +232,9 @@ def sim_stack(tmp_path_factory):
             stack.pd("down", timeout_s=60)
         finally:
             stack.kill_leftovers()
+
+
+@pytest.fixture(scope="module")
+def sim_stack(tmp_path_factory):
+    with sim_stack_up(tmp_path_factory.mktemp("sim")) as stack:
+        yield stack
