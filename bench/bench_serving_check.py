@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Run sglang.bench_serving and our load generator against the same server, same load.
 
-Prints both runs' output tok/s and request/s and their ratio: the check that our client reports
-what the tool SGLang users trust reports. bench_serving needs a HF tokenizer and imports the HF
-`datasets` package at start; with no hub access this script builds a word-level tokenizer in a
-temporary directory and puts a `datasets` stand-in on bench_serving's path (only its MMMU and
-LongBench loaders use it, never the random-ids dataset run here).
+Prints both runs' output tok/s, request/s and client CPU per output token, and their ratio: the
+check that our client reports what the tool SGLang users trust reports, and that neither client
+is the bottleneck. The server is --url, or with --sim a sim stack this script starts on loopback
+(launch/pd up --sim: both sim engines behind the real smg router; every request goes through
+the router). bench_serving needs a HF tokenizer and imports the HF `datasets` package at start;
+with no hub access this script builds a word-level tokenizer in a temporary directory and puts a
+`datasets` stand-in on bench_serving's path (only its MMMU and LongBench loaders use it, never
+the random-ids dataset run here).
 """
 
 import argparse
@@ -13,10 +16,15 @@ import asyncio
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -24,6 +32,11 @@ sys.path.insert(0, str(ROOT))
 from bench.lib.client import first_model_id  # noqa: E402
 from bench.lib.load import LoadSpec, run_load  # noqa: E402
 from bench.lib.metrics import summarize_run  # noqa: E402
+from bench.lib.simstack import NEAR_ZERO, SimStackError, sim_stack  # noqa: E402
+
+# bench_serving prints these around its measured run (after warm-up, before its metrics print).
+BS_START = "Starting main benchmark run"
+BS_RESULT = "Serving Benchmark Result"
 
 
 def build_word_tokenizer(dest: Path) -> None:
@@ -78,65 +91,204 @@ def run_bench_serving(url: str, model: str, args: argparse.Namespace, work: Path
         "--ready-check-timeout-sec",
         "10",
     ]
-    env = {**os.environ, "PYTHONPATH": str(work / "stub"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
-    if result.returncode != 0 or not out.exists():
-        sys.exit(
-            f"bench_serving failed ({result.returncode}):\n{result.stdout[-2000:]}\n"
-            f"{result.stderr[-2000:]}"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(work / "stub"),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cpu = {}
+    lines: list[str] = []
+    # Its CPU time is read from the live process at the two markers, so its imports and
+    # tokenizer loading are not counted against its per-token cost.
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    ) as proc:
+        watchdog = threading.Timer(args.timeout_s, proc.kill)
+        watchdog.start()
+        try:
+            ps = psutil.Process(proc.pid)
+            for line in proc.stdout:
+                lines.append(line)
+                for name, marker in (("start", BS_START), ("result", BS_RESULT)):
+                    if marker in line and name not in cpu:
+                        times = ps.cpu_times()
+                        cpu[name] = times.user + times.system
+            proc.wait()
+        finally:
+            watchdog.cancel()
+    if proc.returncode != 0 or not out.exists():
+        sys.exit(f"bench_serving failed ({proc.returncode}):\n{''.join(lines)[-4000:]}")
+    result = json.loads(out.read_text().splitlines()[-1])
+    result["client_cpu_s"] = cpu["result"] - cpu["start"] if len(cpu) == 2 else None
+    return result
+
+
+OURS_KEEP = "ours, keep-alive"
+OURS_FRESH = "ours, fresh connections"
+THEIRS = "sglang.bench_serving"
+CLIENTS = (OURS_KEEP, OURS_FRESH, THEIRS)
+
+
+@dataclasses.dataclass
+class Run:
+    client: str
+    tok_s: float
+    req_s: float
+    errors: int
+    tokens: int
+    duration_s: float
+    cpu_s: float | None
+
+    @property
+    def us_per_token(self) -> float | None:
+        return None if self.cpu_s is None else self.cpu_s / max(self.tokens, 1) * 1e6
+
+    @property
+    def core_share(self) -> float | None:
+        return None if self.cpu_s is None else self.cpu_s / self.duration_s
+
+    def line(self) -> str:
+        cpu = "client CPU not measured"
+        if self.cpu_s is not None:
+            cpu = (
+                f"client CPU {self.cpu_s:.2f} s = {self.us_per_token:.1f} us/token, "
+                f"{self.core_share:.0%} of one core"
+            )
+        return (
+            f"{self.client:23s} {self.tok_s:9.1f} tok/s {self.req_s:7.1f} req/s "
+            f"errors {self.errors}, {self.tokens} tokens in {self.duration_s:.2f} s, {cpu}"
         )
-    return json.loads(out.read_text().splitlines()[-1])
+
+
+def _run_ours(url: str, model: str, spec: LoadSpec, fresh: bool) -> Run:
+    cpu0 = time.process_time()
+    outputs, duration = asyncio.run(
+        run_load(url, model, dataclasses.replace(spec, fresh_connections=fresh))
+    )
+    cpu1 = time.process_time()
+    ours = summarize_run([o.to_json() for o in outputs], duration)
+    return Run(
+        OURS_FRESH if fresh else OURS_KEEP,
+        ours["output_tok_s"],
+        ours["request_s"],
+        ours["errors"],
+        ours["output_tokens"],
+        duration,
+        cpu1 - cpu0,
+    )
+
+
+def _run_theirs(url: str, model: str, args: argparse.Namespace) -> Run:
+    with tempfile.TemporaryDirectory() as tmp:
+        theirs = run_bench_serving(url, model, args, Path(tmp))
+    return Run(
+        THEIRS,
+        theirs["output_throughput"],
+        theirs["request_throughput"],
+        args.requests - theirs["completed"],
+        int(theirs["total_output_tokens"]),
+        float(theirs["duration"]),
+        theirs["client_cpu_s"],
+    )
+
+
+def run_check(url: str, args: argparse.Namespace) -> dict[str, list[Run]]:
+    """Every client `--repeat` times, the order rotating each round so drift hits all three."""
+    model = asyncio.run(first_model_id(url, 10))
+    spec = LoadSpec(
+        args.concurrency, args.requests, args.input_len, args.output_tokens, 0, args.timeout_s
+    )
+    asyncio.run(run_load(url, model, LoadSpec(8, 8, 16, 4, 1, args.timeout_s)))
+    runs: dict[str, list[Run]] = {c: [] for c in CLIENTS}
+    for rnd in range(args.repeat):
+        for client in CLIENTS[rnd % 3 :] + CLIENTS[: rnd % 3]:
+            if client == THEIRS:
+                run = _run_theirs(url, model, args)
+            else:
+                run = _run_ours(url, model, spec, fresh=client == OURS_FRESH)
+            runs[client].append(run)
+            print(f"round {rnd + 1}: {run.line()}", flush=True)
+    return runs
+
+
+def _summary(runs: dict[str, list[Run]]) -> list[str]:
+    def med(values: list[float | None]) -> str:
+        known = [v for v in values if v is not None]
+        if not known:
+            return "n/a"
+        text = f"{statistics.median(known):.1f}"
+        return text + (f" ({min(known):.1f}-{max(known):.1f})" if len(known) > 1 else "")
+
+    n = len(runs[THEIRS])
+    lines = [f"median over {n} round(s) (min-max):" if n > 1 else "result:"]
+    for client, rs in runs.items():
+        lines.append(
+            f"  {client:23s} output {med([r.tok_s for r in rs])} tok/s, "
+            f"{med([r.req_s for r in rs])} req/s, client CPU "
+            f"{med([r.us_per_token for r in rs])} us/token, "
+            f"errors {sum(r.errors for r in rs)}"
+        )
+    theirs = statistics.median(r.tok_s for r in runs[THEIRS])
+    for client in (OURS_KEEP, OURS_FRESH):
+        ours = statistics.median(r.tok_s for r in runs[client])
+        lines.append(f"ratio {client} / bench_serving output tok/s: {ours / theirs:.3f}")
+    return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", required=True, help="OpenAI-compatible server (router or sim)")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="OpenAI-compatible server (router or engine)")
+    target.add_argument(
+        "--sim",
+        action="store_true",
+        help="start a sim stack on loopback (launch/pd up --sim on a copy of env/, real smg "
+        "router) and measure through its router",
+    )
+    parser.add_argument(
+        "--sim-step-s",
+        type=float,
+        default=0.0,
+        help="with --sim: seconds per decode step; every other sim delay is 0 "
+        "(default: 0, near-zero latency)",
+    )
     parser.add_argument("--concurrency", type=int, default=96, help="default: 96")
     parser.add_argument("--requests", type=int, default=384, help="default: 384 (4 x C96)")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens/words (128)")
     parser.add_argument("--output-tokens", type=int, default=64, help="default: 64")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="rounds of all three clients (default: 1)"
+    )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="default: 300")
     args = parser.parse_args()
-    if min(args.concurrency, args.requests, args.input_len, args.output_tokens) < 1:
-        parser.error("--concurrency, --requests, --input-len, --output-tokens must be >= 1")
-    model = asyncio.run(first_model_id(args.url, 10))
-    spec = LoadSpec(
-        args.concurrency, args.requests, args.input_len, args.output_tokens, 0, args.timeout_s
-    )
-    asyncio.run(run_load(args.url, model, LoadSpec(8, 8, 16, 4, 1, args.timeout_s)))
-    rows = []
-    for fresh in (False, True):
-        cpu0 = os.times()
-        outputs, duration = asyncio.run(
-            run_load(args.url, model, dataclasses.replace(spec, fresh_connections=fresh))
+    if min(args.concurrency, args.requests, args.input_len, args.output_tokens, args.repeat) < 1:
+        parser.error(
+            "--concurrency, --requests, --input-len, --output-tokens, --repeat must be >= 1"
         )
-        cpu = (os.times().user - cpu0.user) + (os.times().system - cpu0.system)
-        ours = summarize_run([o.to_json() for o in outputs], duration)
-        name = "ours, fresh connections" if fresh else "ours, keep-alive"
-        rows.append((name, ours["output_tok_s"], ours["request_s"], ours["errors"]))
-        tokens = max(ours["output_tokens"], 1)
-        print(
-            f"{name}: client CPU {cpu:.2f} s for {tokens} tokens = "
-            f"{cpu / tokens * 1e6:.1f} us/token, {args.requests / duration:.1f} req/s"
-        )
-    with tempfile.TemporaryDirectory() as tmp:
-        theirs = run_bench_serving(args.url, model, args, Path(tmp))
-    rows.append(
-        (
-            "sglang.bench_serving",
-            theirs["output_throughput"],
-            theirs["request_throughput"],
-            args.requests - theirs["completed"],
-        )
-    )
+    if args.sim_step_s < 0:
+        parser.error("--sim-step-s must be >= 0")
+    if args.sim:
+        timing = {**NEAR_ZERO, "PD_SIM_DECODE_STEP_BASE_S": str(args.sim_step_s)}
+        try:
+            with sim_stack(timing) as (stack, _env_dir):
+                server = (
+                    f"sim stack through the smg router at {stack.router_url} (decode step "
+                    f"{args.sim_step_s:g} s, all other sim delays 0)"
+                )
+                print(f"server: {server}", flush=True)
+                runs = run_check(stack.router_url, args)
+        except SimStackError as exc:
+            print(f"bench_serving_check: {exc}", file=sys.stderr)
+            return 1
+    else:
+        server = args.url
+        runs = run_check(args.url, args)
     print(
         f"load: C{args.concurrency}, {args.requests} requests, {args.input_len} in, "
-        f"{args.output_tokens} out, {args.url}"
+        f"{args.output_tokens} out, {server}"
     )
-    for name, tok_s, req_s, errors in rows:
-        print(f"{name:22s} output {tok_s:10.1f} tok/s  {req_s:8.2f} req/s  errors {errors}")
-    for name, tok_s, _req_s, _errors in rows[:2]:
-        print(f"ratio {name} / bench_serving output tok/s: {tok_s / rows[2][1]:.3f}")
+    print("\n".join(_summary(runs)))
     return 0
 
 

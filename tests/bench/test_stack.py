@@ -43,3 +43,22 @@ def test_overlay_line_outside_the_env_format_is_reported_with_its_line_number(tm
     bad.write_text("GOOD=1\nexport SGLANG_SM120_MMA_TARGET_CTAS=512\n")
     with pytest.raises(ValueError, match="bad.env:2"):
         apply_overlay(copy_env_dir(tmp_path / "env"), bad, tmp_path / "out")
+
+
+def test_sim_stack_env_copy_is_in_launch_format_with_loopback_ports(tmp_path):
+    from bench.lib.simstack import NEAR_ZERO, prepare_env
+
+    env = prepare_env(ROOT / "env", tmp_path / "env", NEAR_ZERO, api_key="k3y with space")
+    stack = stack_from_env_dir(env)
+    urls = [stack.router_url, stack.prefill_url, stack.decode_url]
+    assert all(u.startswith("http://127.0.0.1:") for u in urls)
+    assert len(set(urls)) == 3
+    # Every file still parses the way launch reads it, with the values asked for.
+    common = EnvDir(env).common()
+    assert {k: common[k] for k in NEAR_ZERO} == NEAR_ZERO
+    assert common["API_KEY"] == "k3y with space"
+    assert common["PD_RUN_DIR"] == str(tmp_path / "run")
+    router = EnvDir(env).role_env("router")["ROUTER_ARGS"]
+    assert router.startswith("--policy round_robin") and router.endswith(
+        "--shutdown-grace-period-secs 1"
+    )
