@@ -18,6 +18,15 @@ main() {
   if [[ -n "${API_KEY:-}" ]]; then
     CMD+=(--api-key "$API_KEY")
   fi
+  # Empty or unset: smg's own default applies. ROUTER_ARGS comes last, so a flag there wins.
+  if [[ -n "${ROUTER_SHUTDOWN_GRACE_S:-}" ]]; then
+    [[ "$ROUTER_SHUTDOWN_GRACE_S" =~ ^[0-9]+$ ]] || {
+      echo "launch/router.sh: ROUTER_SHUTDOWN_GRACE_S=$ROUTER_SHUTDOWN_GRACE_S:" \
+        "must be a whole number of seconds" >&2
+      exit 2
+    }
+    CMD+=(--shutdown-grace-period-secs "$ROUTER_SHUTDOWN_GRACE_S")
+  fi
   CMD+=("${extra[@]}")
   run_or_print router "${CMD[@]}"
 }

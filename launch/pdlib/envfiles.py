@@ -156,6 +156,11 @@ OUR_KNOBS = {
     "SGLANG_SM120_MMA_TARGET_CTAS": "a positive integer or 'auto'",
     "SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT": "a positive number of seconds",
 }
+# Launch settings whose form is fixed by the program they are passed to (smg takes whole
+# seconds); checked with the knobs so a bad one is refused before a launch too.
+LAUNCH_SETTINGS = {
+    "ROUTER_SHUTDOWN_GRACE_S": "a whole number of seconds, or empty for smg's default",
+}
 
 
 def knob_value_error(key: str, value: str) -> str | None:
@@ -169,9 +174,11 @@ def knob_value_error(key: str, value: str) -> str | None:
         except ValueError:
             seconds = -1.0
         ok = seconds > 0 and seconds != float("inf")
+    elif key == "ROUTER_SHUTDOWN_GRACE_S":
+        ok = re.fullmatch(r"[0-9]*", value) is not None
     else:
         return None
-    return None if ok else f"{key}={value!r}: must be {OUR_KNOBS[key]}"
+    return None if ok else f"{key}={value!r}: must be {(OUR_KNOBS | LAUNCH_SETTINGS)[key]}"
 
 
 def registered_sglang_names() -> tuple[set[str], str]:

@@ -48,6 +48,19 @@ def test_env_check_accepts_every_value_our_knobs_accept(env_dir):
         assert done.returncode == 0, done.stdout
 
 
+def test_env_check_wants_the_router_shutdown_grace_in_whole_seconds(env_dir):
+    for good in ("0", "2", "30", ""):
+        set_values(env_dir / "router.env", ROUTER_SHUTDOWN_GRACE_S=good)
+        done = env_check(env_dir)
+        assert done.returncode == 0, (good, done.stdout)
+    for bad in ("1.5", "-1", "2s"):
+        set_values(env_dir / "router.env", ROUTER_SHUTDOWN_GRACE_S=bad)
+        done = env_check(env_dir)
+        assert done.returncode == 1, bad
+        fail = next(ln for ln in done.stdout.splitlines() if ln.startswith("FAIL"))
+        assert f"ROUTER_SHUTDOWN_GRACE_S={bad!r}: must be a whole number of seconds" in fail
+
+
 def test_env_check_rejects_lines_bash_and_systemd_would_read_differently(env_dir):
     for bad in ("export FOO=1", "FOO=two words", 'FOO="$HOME/x"', "FOO=1 # note"):
         with (env_dir / "router.env").open("a") as f:

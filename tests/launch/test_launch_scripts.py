@@ -61,6 +61,31 @@ def test_router_command_is_smg_pd_with_both_engines(env_dir):
     assert f"--decode http://127.0.0.1:{v['DECODE_PORT']}" in cmd
 
 
+def test_router_passes_the_shutdown_grace_from_router_env_to_smg(env_dir):
+    from launch.pdlib.envfiles import EnvDir
+
+    shipped = EnvDir(env_dir).role_env("router")["ROUTER_SHUTDOWN_GRACE_S"]
+    assert shipped.isdigit()
+    done = dry_run("router", env_dir)
+    assert f"--shutdown-grace-period-secs {shipped} " in command_of(done) + " "
+    assert f"ROUTER_SHUTDOWN_GRACE_S={shipped}" in done.stdout.splitlines()
+    set_values(env_dir / "router.env", ROUTER_SHUTDOWN_GRACE_S=str(int(shipped) + 5))
+    cmd = command_of(dry_run("router", env_dir))
+    assert f"--shutdown-grace-period-secs {int(shipped) + 5} " in cmd + " "
+    assert cmd.count("--shutdown-grace-period-secs") == 1
+    # Empty: no flag, so smg's own default applies.
+    set_values(env_dir / "router.env", ROUTER_SHUTDOWN_GRACE_S="")
+    assert "--shutdown-grace-period-secs" not in command_of(dry_run("router", env_dir))
+
+
+def test_router_refuses_a_shutdown_grace_smg_would_reject(env_dir):
+    set_values(env_dir / "router.env", ROUTER_SHUTDOWN_GRACE_S="1.5")
+    done = dry_run("router", env_dir)
+    assert done.returncode == 2
+    assert "ROUTER_SHUTDOWN_GRACE_S=1.5: must be a whole number of seconds" in done.stderr
+    assert "# command" not in done.stdout
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode", "router"])
 def test_dry_run_redacts_the_api_key(env_dir, role):
     set_values(env_dir / "common.env", API_KEY=SECRET)

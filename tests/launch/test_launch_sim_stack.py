@@ -210,6 +210,71 @@ def test_decode_killed_mid_stream_is_reported_and_co_restart_recovers(sim_stack:
     assert code == 200
 
 
+def test_router_stop_lets_a_short_request_finish_and_ends_well_before_smgs_default_drain(
+    sim_stack: SimStack,
+):
+    # smg rewrites its process title, so the flag is checked by what smg does with it.
+    from launch.pdlib.envfiles import EnvDir
+
+    grace_s = int(EnvDir(sim_stack.env).role_env("router")["ROUTER_SHUTDOWN_GRACE_S"])
+    port = int(sim_stack.values()["ROUTER_PORT"])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    body = {
+        "model": "deepseek-v4-flash",
+        "max_tokens": 20,
+        "stream": True,
+        "messages": [{"role": "user", "content": "count"}],
+    }
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        body=json.dumps(body),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {SECRET}"},
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200
+    first = resp.readline()
+    assert first.startswith(b"data: "), first
+    lines: list[bytes] = []
+
+    def read_rest():
+        try:
+            for _ in range(200):
+                line = resp.readline()
+                if not line:
+                    break
+                lines.append(line)
+        except (OSError, http.client.HTTPException):
+            pass
+
+    reader = threading.Thread(target=read_rest)
+    reader.start()
+    # The signal launch/pd sends; timed to smg's own exit, not to when this machine's init
+    # reaps it.
+    router = psutil.Process(sim_stack.pid("router"))
+    started = time.perf_counter()
+    os.killpg(router.pid, signal.SIGTERM)
+    while (took_s := time.perf_counter() - started) < 30:
+        try:
+            if router.status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.02)
+    reader.join(timeout=20)
+    conn.close()
+    try:
+        assert b"data: [DONE]\n" in lines, lines[-3:]
+        events = [json.loads(ln[6:]) for ln in [first, *lines] if ln.startswith(b"data: {")]
+        finished = [c["finish_reason"] for e in events for c in e.get("choices", [])]
+        assert finished[-1] == "length"
+        # smg drains /readiness for half the grace, at most 5 s (its default grace is 180 s).
+        assert min(grace_s / 2, 5.0) <= took_s < 5.0, took_s
+    finally:
+        up = sim_stack.pd("up", "router")
+        assert up.returncode == 0, up.stdout + up.stderr
+
+
 def test_down_leaves_no_process_behind(tmp_path):
     stack = SimStack(tmp_path)
     try:
