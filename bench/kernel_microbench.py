@@ -46,21 +46,52 @@ def _targets(text: str) -> list[str]:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__)
-    p.add_argument("--batch", type=_int_list, default=[1, 16, 32, 64, 80, 96, 128])
-    p.add_argument("--heads", type=_int_list, default=[16, 32, 64], help="query heads per rank")
-    p.add_argument("--swa", type=int, default=128, help="SWA tokens per request")
+    # String defaults go through `type` like typed ones, and --help shows them as typed.
     p.add_argument(
-        "--extra", type=_extra_list, default=[512, 2048], help="extra tokens per request (0: none)"
+        "--batch",
+        type=_int_list,
+        default="1,16,32,64,80,96,128",
+        help="comma-separated batch sizes, requests per call (default: %(default)s)",
     )
-    p.add_argument("--targets", type=_targets, default=["auto", "128", "256", "512", "1024"])
+    p.add_argument(
+        "--heads",
+        type=_int_list,
+        default="16,32,64",
+        help="comma-separated query heads per rank (default: %(default)s)",
+    )
+    p.add_argument(
+        "--swa", type=int, default=128, help="SWA tokens per request (default: %(default)s)"
+    )
+    p.add_argument(
+        "--extra",
+        type=_extra_list,
+        default="512,2048",
+        help="comma-separated extra tokens per request, 0: none (default: %(default)s)",
+    )
+    p.add_argument(
+        "--targets",
+        type=_targets,
+        default="auto,128,256,512,1024",
+        help="SGLANG_SM120_MMA_TARGET_CTAS values swept for mma, auto or positive integers "
+        "(default: %(default)s)",
+    )
     p.add_argument(
         "--backends",
         default="mma,triton,torch,flashinfer",
-        help="comma-separated subset of mma,triton,torch,flashinfer",
+        help="comma-separated subset of mma,triton,torch,flashinfer (default: %(default)s)",
     )
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--json", help="write all results to this JSON file")
-    p.add_argument("--plot", help="write a PNG plot of us per call vs batch")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=50,
+        help="timed calls per point, after 3 warm-up calls (default: %(default)s)",
+    )
+    p.add_argument(
+        "--json", help="write all results to this JSON file (default: none, stdout only)"
+    )
+    p.add_argument(
+        "--plot", help="write a PNG plot of us per call vs batch to this file (default: none)"
+    )
     args = p.parse_args(argv)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = set(args.backends) - {"mma", "triton", "torch", "flashinfer"}
