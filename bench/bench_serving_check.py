@@ -29,7 +29,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.lib.client import first_model_id  # noqa: E402
+from bench.lib.client import add_api_key_arg, first_model_id, resolve_api_key  # noqa: E402
 from bench.lib.load import LoadSpec, run_load  # noqa: E402
 from bench.lib.metrics import summarize_run  # noqa: E402
 from bench.lib.simstack import NEAR_ZERO, SimStackError, sim_stack  # noqa: E402
@@ -97,6 +97,13 @@ def run_bench_serving(url: str, model: str, args: argparse.Namespace, work: Path
         "HF_HUB_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    # bench_serving sends $OPENAI_API_KEY as a Bearer token (and a bare $API_KEY without the
+    # "Bearer " prefix, which no server here accepts): it gets exactly the key ours sends, through
+    # its environment, never its command line.
+    env.pop("API_KEY", None)
+    env.pop("OPENAI_API_KEY", None)
+    if args.api_key:
+        env["OPENAI_API_KEY"] = args.api_key
     cpu = {}
     lines: list[str] = []
     # Its CPU time is read from the live process at the two markers, so its imports and
@@ -161,10 +168,10 @@ class Run:
         )
 
 
-def _run_ours(url: str, model: str, spec: LoadSpec, fresh: bool) -> Run:
+def _run_ours(url: str, model: str, spec: LoadSpec, fresh: bool, api_key: str) -> Run:
     cpu0 = time.process_time()
     outputs, duration = asyncio.run(
-        run_load(url, model, dataclasses.replace(spec, fresh_connections=fresh))
+        run_load(url, model, dataclasses.replace(spec, fresh_connections=fresh), api_key=api_key)
     )
     cpu1 = time.process_time()
     ours = summarize_run([o.to_json() for o in outputs], duration)
@@ -195,18 +202,22 @@ def _run_theirs(url: str, model: str, args: argparse.Namespace) -> Run:
 
 def run_check(url: str, args: argparse.Namespace) -> dict[str, list[Run]]:
     """Every client `--repeat` times, the order rotating each round so drift hits all three."""
-    model = asyncio.run(first_model_id(url, 10))
+    model = asyncio.run(first_model_id(url, 10, args.api_key))
     spec = LoadSpec(
         args.concurrency, args.requests, args.input_len, args.output_tokens, 0, args.timeout_s
     )
-    asyncio.run(run_load(url, model, LoadSpec(8, 8, 16, 4, 1, args.timeout_s)))
+    warm = asyncio.run(
+        run_load(url, model, LoadSpec(8, 8, 16, 4, 1, args.timeout_s), api_key=args.api_key)
+    )[0]
+    if not all(o.success for o in warm):
+        sys.exit(f"bench_serving_check: warm-up failed at {url}: {warm[0].error or 'no output'}")
     runs: dict[str, list[Run]] = {c: [] for c in CLIENTS}
     for rnd in range(args.repeat):
         for client in CLIENTS[rnd % 3 :] + CLIENTS[: rnd % 3]:
             if client == THEIRS:
                 run = _run_theirs(url, model, args)
             else:
-                run = _run_ours(url, model, spec, fresh=client == OURS_FRESH)
+                run = _run_ours(url, model, spec, client == OURS_FRESH, args.api_key)
             runs[client].append(run)
             print(f"round {rnd + 1}: {run.line()}", flush=True)
     return runs
@@ -261,7 +272,10 @@ def main() -> int:
         "--repeat", type=int, default=1, help="rounds of all three clients (default: 1)"
     )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="default: 300")
+    add_api_key_arg(parser)
     args = parser.parse_args()
+    # No env dir here: --api-key, else $API_KEY. With --sim the stack is started with that key.
+    args.api_key = resolve_api_key(args.api_key)
     if min(args.concurrency, args.requests, args.input_len, args.output_tokens, args.repeat) < 1:
         parser.error(
             "--concurrency, --requests, --input-len, --output-tokens, --repeat must be >= 1"
@@ -271,7 +285,7 @@ def main() -> int:
     if args.sim:
         timing = {**NEAR_ZERO, "PD_SIM_DECODE_STEP_BASE_S": str(args.sim_step_s)}
         try:
-            with sim_stack(timing) as (stack, _env_dir):
+            with sim_stack(timing, api_key=args.api_key) as (stack, _env_dir):
                 server = (
                     f"sim stack through the smg router at {stack.router_url} (decode step "
                     f"{args.sim_step_s:g} s, all other sim delays 0)"
@@ -286,7 +300,7 @@ def main() -> int:
         runs = run_check(args.url, args)
     print(
         f"load: C{args.concurrency}, {args.requests} requests, {args.input_len} in, "
-        f"{args.output_tokens} out, {server}"
+        f"{args.output_tokens} out, {server}, API key {'sent' if args.api_key else 'none'}"
     )
     print("\n".join(_summary(runs)))
     return 0

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 
 from bench.lib import arms as arms_mod
-from bench.lib.client import first_model_id
+from bench.lib.client import add_api_key_arg, first_model_id, redact
 from bench.lib.load import LoadSpec, run_load
 from bench.lib.metrics import summarize_run
 from bench.lib.report import render
@@ -42,7 +42,7 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="req", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
-async def _warm_up(url: str, model: str, plan: Plan) -> None:
+async def _warm_up(url: str, model: str, plan: Plan, api_key: str) -> None:
     if plan.warmup:
         spec = LoadSpec(
             min(plan.warmup, 8),
@@ -52,7 +52,7 @@ async def _warm_up(url: str, model: str, plan: Plan) -> None:
             plan.seed + 1,
             plan.request_timeout_s,
         )
-        await run_load(url, model, spec)
+        await run_load(url, model, spec, api_key=api_key)
 
 
 def run_ab(
@@ -87,12 +87,14 @@ def run_ab(
                 bar.set_description(f"trial {trial} arm {arm.name}: preparing")
                 knob = arm.prepare(trial)
                 try:
-                    model = asyncio.run(first_model_id(arm.url, plan.request_timeout_s))
+                    model = asyncio.run(
+                        first_model_id(arm.url, plan.request_timeout_s, arm.api_key)
+                    )
                 except (TimeoutError, aiohttp.ClientError, OSError, RuntimeError) as exc:
                     raise arms_mod.ArmError(
-                        f"arm {arm.name}: {arm.url} lists no model: {exc}"
+                        f"arm {arm.name}: {arm.url} lists no model: {redact(str(exc), arm.api_key)}"
                     ) from exc
-                asyncio.run(_warm_up(arm.url, model, plan))
+                asyncio.run(_warm_up(arm.url, model, plan, arm.api_key))
                 for c in plan.concurrency:
                     bar.set_description(f"trial {trial} arm {arm.name} C{c}")
                     spec = LoadSpec(
@@ -105,7 +107,13 @@ def run_ab(
                         plan.fresh_connections,
                     )
                     outputs, duration = asyncio.run(
-                        run_load(arm.url, model, spec, on_done=lambda _o: bar.update(1))
+                        run_load(
+                            arm.url,
+                            model,
+                            spec,
+                            on_done=lambda _o: bar.update(1),
+                            api_key=arm.api_key,
+                        )
                     )
                     records = [o.to_json() for o in outputs]
                     for index, record in enumerate(records):
@@ -113,6 +121,8 @@ def run_ab(
                         raw.write(json.dumps({**tags, **record}) + "\n")
                     raw.flush()
                     run = {"arm": arm.name, "trial": trial, "concurrency": c, "knob": knob}
+                    # Whether a key was sent, never the key.
+                    run["api_key_sent"] = bool(arm.api_key)
                     run.update(summarize_run(records, duration))
                     summary["runs"].append(run)
                     # Written after every run so an interrupted A/B still leaves its evidence.
@@ -157,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--env-dir",
         type=Path,
         default=Path("env"),
-        help="base env directory the overlays apply to (default: env)",
+        help="base env directory the overlays apply to, and where the API key is read "
+        "from (default: env)",
     )
     arm.add_argument("--sim", action="store_true", help="co-restart the simulated stack")
     arm.add_argument("--url-a", help="URL of an already running stack for arm A")
@@ -220,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, help="results directory (default: bench/results/<UTC timestamp>)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_api_key_arg(parser)
     return parser
 
 

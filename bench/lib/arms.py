@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from bench.lib.client import resolve_api_key
 from bench.lib.stack import stack_from_env_dir
 from launch.pdlib.envfiles import parse_file
 
@@ -24,9 +25,10 @@ class ArmError(RuntimeError):
 class UrlArm:
     mode = "urls"
 
-    def __init__(self, name: str, url: str):
+    def __init__(self, name: str, url: str, api_key: str = ""):
         self.name = name
         self.url = url.rstrip("/")
+        self.api_key = api_key
 
     def describe(self) -> str:
         return f"running stack at {self.url}"
@@ -62,7 +64,14 @@ class EnvArm:
     mode = "co-restart"
 
     def __init__(
-        self, name: str, overlay: Path, base: Path, work: Path, sim: bool, timeout_s: float = 900.0
+        self,
+        name: str,
+        overlay: Path,
+        base: Path,
+        work: Path,
+        sim: bool,
+        timeout_s: float = 900.0,
+        cli_api_key: str | None = None,
     ):
         self.name = name
         self.overlay = overlay
@@ -71,6 +80,8 @@ class EnvArm:
         self.sim = sim
         self.timeout_s = timeout_s
         self.url = ""
+        self.cli_api_key = cli_api_key
+        self.api_key = ""
 
     def describe(self) -> str:
         return f"{self.overlay} over {self.base}" + (" (sim)" if self.sim else "")
@@ -89,6 +100,8 @@ class EnvArm:
     def prepare(self, trial: int) -> dict[str, Any]:
         values = apply_overlay(self.base, self.overlay, self.env_dir)
         self.url = stack_from_env_dir(self.env_dir).router_url or ""
+        # The key this arm's stack is (re)started with, unless --api-key says otherwise.
+        self.api_key = resolve_api_key(self.cli_api_key, self.env_dir)
         restart = self._pd("co-restart")
         if restart.returncode != 0:
             tail = "\n".join((restart.stdout + restart.stderr).splitlines()[-15:])
@@ -114,7 +127,8 @@ def arms_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     if any(urls):
         if not all(urls):
             raise ArmError("--url-a and --url-b go together")
-        return UrlArm("A", args.url_a), UrlArm("B", args.url_b)
+        key = resolve_api_key(args.api_key, args.env_dir)
+        return UrlArm("A", args.url_a, key), UrlArm("B", args.url_b, key)
     if not all(envs):
         raise ArmError("give --a and --b (env overlays) or --url-a and --url-b")
     for path in envs:
@@ -132,6 +146,6 @@ def arms_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ArmError(f"co-restart mode needs {PD.relative_to(ROOT)}, which is missing")
     work = args.out_work
     return (
-        EnvArm("A", args.a, args.env_dir, work, args.sim),
-        EnvArm("B", args.b, args.env_dir, work, args.sim),
+        EnvArm("A", args.a, args.env_dir, work, args.sim, cli_api_key=args.api_key),
+        EnvArm("B", args.b, args.env_dir, work, args.sim, cli_api_key=args.api_key),
     )

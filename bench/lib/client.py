@@ -6,16 +6,23 @@ function per API flavour. Metrics are computed from the outputs elsewhere (bench
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 CHAT_PATH = "/v1/chat/completions"
+# The variable env/common.env sets and launch's scripts pass to smg and both engines as
+# --api-key: a stack launched with a key is benchmarked with it without extra flags.
+API_KEY_ENV = "API_KEY"
+REDACTED = "<redacted>"
 
 # A fixed vocabulary keeps seeded prompts reproducible without a tokenizer; the simulated engine
 # and the real one both see plain words, one word being about one token.
@@ -68,6 +75,49 @@ class ChatOutput:
         return record
 
 
+def add_api_key_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="send 'Authorization: Bearer KEY' with every request (default: API_KEY from the "
+        f"env dir's common.env when there is one and it is set, else ${API_KEY_ENV}; '' sends "
+        "none). The key is never printed",
+    )
+
+
+def resolve_api_key(cli: str | None, env_dir: Path | None = None) -> str:
+    """The key to send: --api-key, else the env dir's API_KEY, else $API_KEY; "" for none.
+
+    The env dir's value comes first because it is the one the stack was launched with (launch's
+    scripts let the files override the calling environment).
+    """
+    if cli is not None:
+        return cli
+    if env_dir is not None:
+        from launch.pdlib.envfiles import EnvDir
+
+        try:
+            key = EnvDir(Path(env_dir)).common().get(API_KEY_ENV, "")
+        except (OSError, ValueError):
+            key = ""
+        if key:
+            return key
+    return os.environ.get(API_KEY_ENV, "")
+
+
+def auth_headers(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def redact(text: str, api_key: str) -> str:
+    return text.replace(api_key, REDACTED) if api_key else text
+
+
+def _session_key(session: aiohttp.ClientSession) -> str:
+    value = session.headers.get("Authorization", "")
+    return value[len("Bearer ") :] if value.startswith("Bearer ") else ""
+
+
 def seeded_prompt(seed: int, index: int, words: int) -> str:
     rng = random.Random(seed * 1_000_003 + index)
     return " ".join(rng.choice(_WORDS) for _ in range(words))
@@ -103,6 +153,8 @@ async def stream_chat(
 ) -> ChatOutput:
     """Send one streaming chat completion; never raises for HTTP or transport errors.
 
+    The API key, if any, is in the session's headers (auth_headers()).
+
     With a session built with connection_tracing(), `trace_ctx["connection"]` says "new" or
     "reused" as soon as a connection is picked, so a caller can tell even while it is stuck.
     """
@@ -119,7 +171,9 @@ async def stream_chat(
             out.status = resp.status
             out.connection = trace_ctx.get("connection", "")
             if resp.status != 200:
-                out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                # A server that echoes the request must not get the key printed.
+                body = redact(await resp.text(), _session_key(session))
+                out.error = f"HTTP {resp.status}: {body[:200]}"
                 out.latency_s = time.perf_counter() - start
                 return out
             pieces: list[str] = []
@@ -158,16 +212,16 @@ async def stream_chat(
     except asyncio.CancelledError:
         raise
     except (TimeoutError, aiohttp.ClientError, ValueError, OSError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
+        out.error = redact(f"{type(exc).__name__}: {exc}", _session_key(session))
         out.latency_s = time.perf_counter() - start
         out.connection = out.connection or trace_ctx.get("connection", "")
     return out
 
 
-async def first_model_id(base_url: str, timeout_s: float) -> str:
+async def first_model_id(base_url: str, timeout_s: float, api_key: str = "") -> str:
     """The first model the server lists, fetched over its own short-lived connection."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers(api_key)) as session:
         async with session.get(base_url.rstrip("/") + "/v1/models") as resp:
             resp.raise_for_status()
             data = (await resp.json()).get("data") or []

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from bench.lib.client import ChatOutput, ChatRequest, seeded_prompt, stream_chat
+from bench.lib.client import ChatOutput, ChatRequest, auth_headers, seeded_prompt, stream_chat
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ async def run_load(
     model: str,
     spec: LoadSpec,
     on_done: Callable[[ChatOutput], None] = lambda _out: None,
+    api_key: str = "",
 ) -> tuple[list[ChatOutput], float]:
     """Return the outputs in request order and the wall time from first send to last answer."""
     outputs: list[ChatOutput | None] = [None] * spec.requests
@@ -51,7 +52,7 @@ async def run_load(
             outputs[i] = out
             on_done(out)
 
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector, headers=auth_headers(api_key)) as session:
         start = time.perf_counter()
         await asyncio.gather(*(worker(session) for _ in range(spec.concurrency)))
         duration = time.perf_counter() - start

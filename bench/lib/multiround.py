@@ -11,15 +11,19 @@ import argparse
 import asyncio
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
 from bench.lib.client import (
     ChatOutput,
     ChatRequest,
+    add_api_key_arg,
+    auth_headers,
     connection_tracing,
     first_model_id,
+    redact,
+    resolve_api_key,
     seeded_prompt,
     stream_chat,
 )
@@ -46,6 +50,7 @@ class Plan:
     first_words: int
     turn_words: int
     seed: int
+    api_key: str = field(default="", repr=False)
 
 
 def _line(session: int, rnd: int, out: ChatOutput) -> str:
@@ -64,7 +69,9 @@ async def _session(plan: Plan, session: int, ok: list[int], missed: asyncio.Queu
     connector = aiohttp.TCPConnector(limit=1)
     messages = [{"role": "user", "content": seeded_prompt(plan.seed, session, plan.first_words)}]
     async with aiohttp.ClientSession(
-        connector=connector, trace_configs=[connection_tracing()]
+        connector=connector,
+        trace_configs=[connection_tracing()],
+        headers=auth_headers(plan.api_key),
     ) as client:
         for rnd in range(1, plan.rounds + 1):
             request = ChatRequest(list(messages), plan.max_tokens, model=plan.model)
@@ -115,6 +122,7 @@ async def run(plan: Plan, stack: Stack, triage_fast_s: float, triage_window_s: f
             triage_window_s,
             probe_timeout_s=plan.deadline_s,
             model=plan.model,
+            api_key=plan.api_key,
         )
         print(verdict.render())
         print(f"triage took {time.perf_counter() - started:.1f} s", flush=True)
@@ -127,7 +135,7 @@ async def run(plan: Plan, stack: Stack, triage_fast_s: float, triage_window_s: f
     results = await asyncio.gather(*sessions, return_exceptions=True)
     for r in results:
         if isinstance(r, Exception) and not isinstance(r, asyncio.CancelledError):
-            print(f"session failed: {type(r).__name__}: {r}", flush=True)
+            print(f"session failed: {redact(f'{type(r).__name__}: {r}', plan.api_key)}", flush=True)
     if ok[0] != total:
         status = 1
     print(f"{ok[0]}/{total} rounds ok", flush=True)
@@ -196,14 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         help="triage: seconds between metrics samples (default: 1.0)",
     )
     add_stack_args(parser)
+    add_api_key_arg(parser)
     args = parser.parse_args(argv)
     stack = stack_from_args(parser, args)
+    api_key = resolve_api_key(args.api_key, args.env_dir)
     model = args.model
     if model is None:
         try:
-            model = asyncio.run(first_model_id(args.url, args.deadline_s))
+            model = asyncio.run(first_model_id(args.url, args.deadline_s, api_key))
         except (TimeoutError, aiohttp.ClientError, OSError, RuntimeError) as exc:
-            print(f"bench/multiround: cannot list models at {args.url}: {exc}", file=sys.stderr)
+            error = redact(str(exc), api_key)
+            print(f"bench/multiround: cannot list models at {args.url}: {error}", file=sys.stderr)
             return 2
     plan = Plan(
         args.url.rstrip("/"),
@@ -215,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         args.first_words,
         args.turn_words,
         args.seed,
+        api_key,
     )
     return asyncio.run(run(plan, stack, args.triage_fast_s, args.triage_window_s))
 

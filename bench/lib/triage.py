@@ -18,7 +18,15 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 
 from bench.lib import promtext
-from bench.lib.client import ChatRequest, first_model_id, stream_chat
+from bench.lib.client import (
+    ChatRequest,
+    add_api_key_arg,
+    auth_headers,
+    first_model_id,
+    redact,
+    resolve_api_key,
+    stream_chat,
+)
 from bench.lib.stack import Stack, add_stack_args, stack_from_args
 
 CONNECTION = "connection layer between client and router"
@@ -151,13 +159,13 @@ def decide(probes: list[Probe], engines: list[EngineLoad], fast_s: float) -> Ver
     )
 
 
-async def _probe(name: str, url: str, model: str, timeout_s: float) -> Probe:
+async def _probe(name: str, url: str, model: str, timeout_s: float, api_key: str) -> Probe:
     request = ChatRequest(
         messages=[{"role": "user", "content": "triage probe"}], max_tokens=4, model=model
     )
     connector = aiohttp.TCPConnector(force_close=True)
     start = time.perf_counter()
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector, headers=auth_headers(api_key)) as session:
         try:
             result = await asyncio.wait_for(stream_chat(session, url, request), timeout_s)
         except TimeoutError:
@@ -177,10 +185,13 @@ async def _read_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, f
         return promtext.parse(await resp.text())
 
 
-async def _engine_loads(stack: Stack, window_s: float, timeout_s: float) -> list[EngineLoad]:
+async def _engine_loads(
+    stack: Stack, window_s: float, timeout_s: float, api_key: str
+) -> list[EngineLoad]:
     engines = [EngineLoad(role, url, True, window_s=window_s) for role, url in stack.engines()]
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # SGLang serves /metrics without the key; sent anyway for servers that want it.
+    async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers(api_key)) as session:
         for phase in ("before", "after"):
             if phase == "after":
                 await asyncio.sleep(window_s)
@@ -190,7 +201,7 @@ async def _engine_loads(stack: Stack, window_s: float, timeout_s: float) -> list
                 try:
                     setattr(e, phase, promtext.load_of(await _read_metrics(session, e.url)))
                 except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                    e.ok, e.error = False, f"{type(exc).__name__}: {exc}"
+                    e.ok, e.error = False, redact(f"{type(exc).__name__}: {exc}", api_key)
     return engines
 
 
@@ -201,18 +212,19 @@ async def triage(
     window_s: float = 1.0,
     probe_timeout_s: float = 10.0,
     model: str | None = None,
+    api_key: str = "",
 ) -> Verdict:
     # Load first: the probes themselves would make idle engines look busy.
-    engines = await _engine_loads(stack, window_s, probe_timeout_s)
+    engines = await _engine_loads(stack, window_s, probe_timeout_s, api_key)
     targets = [("client URL", client_url)]
     if stack.router_url and stack.router_url.rstrip("/") != client_url.rstrip("/"):
         targets.append(("router (direct)", stack.router_url))
     if model is None:
         try:
-            model = await first_model_id(targets[-1][1], probe_timeout_s)
+            model = await first_model_id(targets[-1][1], probe_timeout_s, api_key)
         except (TimeoutError, aiohttp.ClientError, OSError, RuntimeError):
             model = "default"
-    probes = [await _probe(name, url, model, probe_timeout_s) for name, url in targets]
+    probes = [await _probe(name, url, model, probe_timeout_s, api_key) for name, url in targets]
     return decide(probes, engines, fast_s)
 
 
@@ -245,12 +257,16 @@ def main(argv: list[str] | None = None) -> int:
         help="give up on a probe request after this (default: 10.0)",
     )
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    add_api_key_arg(parser)
     args = parser.parse_args(argv)
     for name in ("fast_s", "window_s", "probe_timeout_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
     stack = stack_from_args(parser, args)
-    result = asyncio.run(triage(args.url, stack, args.fast_s, args.window_s, args.probe_timeout_s))
+    api_key = resolve_api_key(args.api_key, args.env_dir)
+    result = asyncio.run(
+        triage(args.url, stack, args.fast_s, args.window_s, args.probe_timeout_s, api_key=api_key)
+    )
     print(json.dumps(asdict(result), indent=2) if args.json else result.render())
     return 3 if result.verdict == INCONCLUSIVE else 0
 

@@ -110,10 +110,26 @@ def fault_proxy(procs):
     return start
 
 
-def run_tool(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+def run_tool(
+    *args: str, timeout_s: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run a tool; `env` replaces the environment (default: this process's)."""
     return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
     )
+
+
+def env_with_api_key(key: str | None) -> dict[str, str]:
+    """This process's environment with API_KEY set to `key`, or removed for None."""
+    env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "OPENAI_API_KEY")}
+    if key is not None:
+        env["API_KEY"] = key
+    return env
 
 
 def set_env_values(path: Path, **values: str) -> None:
@@ -155,7 +171,7 @@ PD = ROOT / "launch" / "pd"
 class SimStack:
     """launch/pd --sim on a copy of env/ with free loopback ports and its own run dir."""
 
-    def __init__(self, tmp: Path, decode_env: dict[str, str] | None = None):
+    def __init__(self, tmp: Path, decode_env: dict[str, str] | None = None, api_key: str = ""):
         self.tmp = tmp
         prefill, boot, decode, router, prom = free_ports(5)
         self.run_dir = tmp / "run"
@@ -172,7 +188,7 @@ class SimStack:
             PD_RUN_DIR=str(self.run_dir),
             PD_SUPERVISOR="local",
             PD_POLL_INTERVAL_S="0.2",
-            API_KEY="",
+            API_KEY=api_key,
         )
         # Faster health checks, and no long drain on stop: every down and co-restart stops the
         # router, and the tests have nothing in flight then.
@@ -220,9 +236,9 @@ class SimStack:
 
 
 @contextlib.contextmanager
-def sim_stack_up(tmp: Path, decode_env: dict[str, str] | None = None):
+def sim_stack_up(tmp: Path, decode_env: dict[str, str] | None = None, api_key: str = ""):
     """A running sim stack (launch/pd up --sim), brought down and swept afterwards."""
-    stack = SimStack(tmp, decode_env)
+    stack = SimStack(tmp, decode_env, api_key)
     try:
         up = stack.pd("up")
         assert up.returncode == 0, up.stdout + up.stderr
