@@ -156,6 +156,12 @@ OUR_KNOBS = {
     "SGLANG_SM120_MMA_TARGET_CTAS": "a positive integer or 'auto'",
     "SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT": "a positive number of seconds",
 }
+# Upstream variables our patches lean on. Upstream's registry reads them leniently (a
+# malformed value warns and falls back to the default), so a typo would silently change
+# how long decode holds KV for a transfer that never concludes (patch 0004).
+UPSTREAM_CHECKED = {
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "a positive whole number of seconds",
+}
 # Launch settings whose form is fixed by the program they are passed to (smg takes whole
 # seconds); checked with the knobs so a bad one is refused before a launch too.
 LAUNCH_SETTINGS = {
@@ -174,11 +180,14 @@ def knob_value_error(key: str, value: str) -> str | None:
         except ValueError:
             seconds = -1.0
         ok = seconds > 0 and seconds != float("inf")
+    elif key == "SGLANG_DISAGGREGATION_WAITING_TIMEOUT":
+        ok = value.isdigit() and int(value) > 0
     elif key == "ROUTER_SHUTDOWN_GRACE_S":
         ok = re.fullmatch(r"[0-9]*", value) is not None
     else:
         return None
-    return None if ok else f"{key}={value!r}: must be {(OUR_KNOBS | LAUNCH_SETTINGS)[key]}"
+    rule = (OUR_KNOBS | UPSTREAM_CHECKED | LAUNCH_SETTINGS)[key]
+    return None if ok else f"{key}={value!r}: must be {rule}"
 
 
 def registered_sglang_names() -> tuple[set[str], str]:

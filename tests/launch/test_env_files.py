@@ -124,3 +124,17 @@ def test_a_missing_env_dir_is_a_clear_error():
     done = run_pd("status", "--env-dir", "/nonexistent/env")
     assert done.returncode == 2
     assert "not a directory" in done.stderr
+
+
+def test_env_check_wants_the_decode_waiting_timeout_as_positive_whole_seconds(env_dir):
+    # Upstream's registry would warn and fall back to 300 s on these.
+    for good in ("300", "60"):
+        set_values(env_dir / "decode.env", SGLANG_DISAGGREGATION_WAITING_TIMEOUT=good)
+        assert env_check(env_dir).returncode == 0, good
+    for bad in ("0", "-1", "30s", "2.5", ""):
+        set_values(env_dir / "decode.env", SGLANG_DISAGGREGATION_WAITING_TIMEOUT=bad)
+        done = env_check(env_dir)
+        assert done.returncode == 1, bad
+        fail = next(ln for ln in done.stdout.splitlines() if ln.startswith("FAIL"))
+        assert f"SGLANG_DISAGGREGATION_WAITING_TIMEOUT={bad!r}" in fail
+        assert "positive whole number of seconds" in fail
