@@ -141,7 +141,7 @@ class LocalSupervisor:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-        _, alive = psutil.wait_procs(group, timeout=self.stop_grace_s)
+        alive = wait_exited(group, timeout=self.stop_grace_s)
         detail = f"stopped pid {proc.pid}"
         if alive:
             for p in alive:
@@ -149,7 +149,7 @@ class LocalSupervisor:
                     p.kill()
                 except psutil.Error:
                     pass
-            psutil.wait_procs(alive, timeout=5)
+            wait_exited(alive, timeout=5)
             detail += (
                 f" (killed {len(alive)} process(es) still alive after {self.stop_grace_s:g} s)"
             )
@@ -171,6 +171,27 @@ class LocalSupervisor:
 
     def logs(self, role: str, lines: int) -> list[str]:
         return tail(self.log_file(role), lines)
+
+
+def wait_exited(procs: list[psutil.Process], timeout: float, poll_s: float = 0.05) -> list:
+    """The processes still running after up to `timeout` seconds. One that has exited counts
+    as gone at once, reaped or not: a server started by an earlier launch/pd call is not our
+    child, and its zombie lasts until init reaps it, which here took about a second."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for proc in procs:
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except psutil.NoSuchProcess:
+                pass
+            except psutil.Error:
+                alive.append(proc)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        procs = alive
+        time.sleep(poll_s)
 
 
 class SystemdSupervisor:

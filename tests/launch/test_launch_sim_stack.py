@@ -96,11 +96,11 @@ def test_verify_fails_when_a_knob_is_only_in_the_file(sim_stack: SimStack):
     decode_env = sim_stack.env / "decode.env"
     before = decode_env.read_text()
     try:
-        set_values(decode_env, SGLANG_DISAGGREGATION_WAITING_TIMEOUT="301")
+        set_values(decode_env, SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="301")
         done = sim_stack.pd("verify")
         assert done.returncode == 1
         line = next(
-            ln for ln in done.stdout.splitlines() if "SGLANG_DISAGGREGATION_WAITING_TIMEOUT" in ln
+            ln for ln in done.stdout.splitlines() if "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT" in ln
         )
         assert line.startswith("FAIL decode")
         assert "missing from the environment of pid" in line
