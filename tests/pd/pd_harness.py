@@ -14,10 +14,13 @@ from __future__ import annotations
 import collections
 import datetime
 import json
+import multiprocessing
 import os
+import socket
 import tempfile
 import threading
 import time
+import traceback
 from array import array
 from dataclasses import dataclass, field
 
@@ -203,11 +206,11 @@ class MiniPrefillScheduler(SchedulerDisaggregationPrefillMixin):
         return self.process_disagg_prefill_inflight_queue()
 
 
-def make_kv_manager() -> CommonKVManager:
-    """A prefill-mode CommonKVManager without sockets or bootstrap registration:
-    exactly the fields its status, failure and sender methods use."""
+def _bare_kv_manager(mode: DisaggregationMode) -> CommonKVManager:
+    """A CommonKVManager without sockets, bootstrap or engine registration: the
+    fields its status and failure methods use on either side."""
     mgr = CommonKVManager.__new__(CommonKVManager)
-    mgr.disaggregation_mode = DisaggregationMode.PREFILL
+    mgr.disaggregation_mode = mode
     mgr.is_dummy_cp_rank = False
     mgr.request_status = {}
     mgr.failure_records = {}
@@ -218,6 +221,12 @@ def make_kv_manager() -> CommonKVManager:
     mgr.transfer_infos = {}
     mgr.req_to_decode_prefix_len = {}
     mgr.enable_deferred_decode_kv_release = False
+    return mgr
+
+
+def make_kv_manager() -> CommonKVManager:
+    """A prefill-mode manager: plus what its senders read."""
+    mgr = _bare_kv_manager(DisaggregationMode.PREFILL)
     mgr.bootstrap_timeout = BOOTSTRAP_TIMEOUT_S
     mgr.kv_item_lens_sum = 576
     mgr.state_item_lens_sum = 0
@@ -348,19 +357,8 @@ class MiniDecodeTransferQueue(DecodeTransferQueue):
 
 
 def make_decode_kv_manager() -> CommonKVManager:
-    """A decode-mode CommonKVManager without sockets or engine registration."""
-    mgr = CommonKVManager.__new__(CommonKVManager)
-    mgr.disaggregation_mode = DisaggregationMode.DECODE
-    mgr.is_dummy_cp_rank = False
-    mgr.request_status = {}
-    mgr.failure_records = {}
-    mgr.failure_lock = threading.Lock()
-    mgr._staging_outstanding = {}
-    mgr._deferred_ack_targets = {}
-    mgr._deferred_ack_poisoned_rooms = set()
-    mgr.transfer_infos = {}
-    mgr.req_to_decode_prefix_len = {}
-    mgr.enable_deferred_decode_kv_release = False
+    """A decode-mode manager: plus what its receivers read."""
+    mgr = _bare_kv_manager(DisaggregationMode.DECODE)
     mgr.deferred_bootstrap = None
     mgr.defer_decode_allocation = False
     mgr.addr_to_rooms_tracker = collections.defaultdict(set)
@@ -370,6 +368,67 @@ def make_decode_kv_manager() -> CommonKVManager:
     mgr.connection_pool = {}
     mgr.waiting_timeout = WAITING_TIMEOUT_S
     return mgr
+
+
+def tick_for(target, clock: FakeClock, seconds: float, step: float = 1.0) -> list:
+    """Ticks of a scheduler or transfer queue while the clock moves, `step`
+    seconds before each; what the ticks returned, in order."""
+    done = []
+    elapsed = 0.0
+    while elapsed < seconds:
+        clock.advance(step)
+        elapsed += step
+        done += target.tick()
+    return done
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank_main, rank: int, port: int, results) -> None:
+    try:
+        clock = FakeClock()
+        time.time = clock
+        time.monotonic = clock
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=GROUP_TIMEOUT)
+        group = dist.ProcessGroupGloo(store, rank, 2, GROUP_TIMEOUT)
+        results.put((rank, None, rank_main(rank, group, clock)))
+    except BaseException:
+        results.put((rank, traceback.format_exc(), None))
+    finally:
+        # os._exit skips the queue's feeder thread: flush it first.
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+
+def run_two_ranks(rank_main) -> dict:
+    """rank_main(rank, group, clock) in two forked processes joined by a real
+    gloo group, each with its own fake clock; {rank: what rank_main returned}."""
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_entry, args=(rank_main, rank, port, results)) for rank in (0, 1)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes = {}
+    try:
+        for _ in procs:
+            rank, error, value = results.get(timeout=GROUP_TIMEOUT.total_seconds() * 2)
+            assert error is None, f"rank {rank} raised:\n{error}"
+            outcomes[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return outcomes
 
 
 @pytest.fixture

@@ -7,20 +7,9 @@ patch bounds the state that escaped it (KV received, metadata row empty).
 
 from __future__ import annotations
 
-from pd_harness import WAITING_TIMEOUT_S
+from pd_harness import WAITING_TIMEOUT_S, tick_for
 from sglang.srt.disaggregation.metadata_gate_timeout import ENV_NAME
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-
-def _tick_for(queue, clock, seconds: float, step: float = 1.0) -> list:
-    """Transfer-queue ticks while the clock moves; the requests handed to decode."""
-    done = []
-    elapsed = 0.0
-    while elapsed < seconds:
-        clock.advance(step)
-        elapsed += step
-        done += queue.tick()
-    return done
 
 
 def test_received_kv_whose_metadata_never_lands_is_failed_and_released(transfer_queue, clock):
@@ -30,13 +19,13 @@ def test_received_kv_whose_metadata_never_lands_is_failed_and_released(transfer_
     assert queue.free_counts() != before
     # The KV lands well inside the receiver's own waiting timeout; the
     # metadata row never does.
-    _tick_for(queue, clock, WAITING_TIMEOUT_S / 2)
+    tick_for(queue, clock, WAITING_TIMEOUT_S / 2)
     queue.kv_arrives(decode_req)
     assert queue.tick() == []
 
     # Upstream's receiver deadline (init_time + timeout) passes: the receiver
     # concluded Success, so only the gate's own clock can end this.
-    assert _tick_for(queue, clock, WAITING_TIMEOUT_S - 1) == []
+    assert tick_for(queue, clock, WAITING_TIMEOUT_S - 1) == []
     assert queue.queue == [decode_req]
     assert queue.scheduler.metrics_collector.transfer_failed == 0
 
@@ -62,7 +51,7 @@ def test_metadata_landing_one_tick_before_the_deadline_concludes_as_success(tran
     decode_req = queue.admit_preallocated("late-metadata", room=32)
     queue.kv_arrives(decode_req)
     assert queue.tick() == []
-    assert _tick_for(queue, clock, WAITING_TIMEOUT_S - 1) == []
+    assert tick_for(queue, clock, WAITING_TIMEOUT_S - 1) == []
 
     queue.metadata_arrives(decode_req, first_token=9)
     assert queue.tick() == [decode_req.req]
@@ -91,7 +80,7 @@ def test_prefill_that_never_completes_fails_on_the_upstream_waiting_timeout(tran
     before = queue.free_counts()
     decode_req = queue.admit_preallocated("prefill-gone", room=34)
     assert queue.tick() == []
-    assert _tick_for(queue, clock, WAITING_TIMEOUT_S - 1) == []
+    assert tick_for(queue, clock, WAITING_TIMEOUT_S - 1) == []
     assert queue.queue == [decode_req]
 
     clock.advance(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pd_harness import tick_for
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.srt.disaggregation.inflight_timeout import ENV_NAME, parse_inflight_timeout
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -18,17 +19,6 @@ def inflight_timeout(monkeypatch) -> int:
     return TIMEOUT_S
 
 
-def _tick_until(scheduler, clock, seconds: float, step: float = 1.0) -> list:
-    """Run inflight-queue ticks while the clock moves; the requests that concluded."""
-    done = []
-    elapsed = 0.0
-    while elapsed < seconds:
-        clock.advance(step)
-        elapsed += step
-        done += scheduler.tick()
-    return done
-
-
 @pytest.mark.parametrize("stuck_state", [KVPoll.WaitingForInput, KVPoll.Transferring])
 def test_stuck_transfer_is_released_after_inflight_timeout(
     scheduler, clock, inflight_timeout, stuck_state
@@ -40,7 +30,7 @@ def test_stuck_transfer_is_released_after_inflight_timeout(
     assert scheduler.free_counts() != before
 
     assert scheduler.tick() == []
-    assert _tick_until(scheduler, clock, inflight_timeout - 1) == []
+    assert tick_for(scheduler, clock, inflight_timeout - 1) == []
     assert scheduler.disagg_prefill_inflight_queue == [req]
 
     clock.advance(1)
@@ -58,7 +48,7 @@ def test_transfer_succeeding_one_tick_before_the_timeout_concludes_as_success(
     req = scheduler.admit_finished_prefill("late-but-fine", room=12)
     scheduler.set_status(req, KVPoll.Transferring)
     assert scheduler.tick() == []
-    assert _tick_until(scheduler, clock, inflight_timeout - 1) == []
+    assert tick_for(scheduler, clock, inflight_timeout - 1) == []
 
     scheduler.set_status(req, KVPoll.Success)
     assert scheduler.tick() == [req]
@@ -76,7 +66,7 @@ def test_bootstrapping_sender_still_follows_the_bootstrap_timeout(
     # the one way a Bootstrapping sender sits in the inflight queue.
     req.pending_bootstrap = True
     assert scheduler.tick() == []
-    assert _tick_until(scheduler, clock, BOOTSTRAP_TIMEOUT_S - 1) == []
+    assert tick_for(scheduler, clock, BOOTSTRAP_TIMEOUT_S - 1) == []
     assert scheduler.disagg_prefill_inflight_queue == [req]
 
     clock.advance(1)
@@ -94,7 +84,7 @@ def test_unset_timeout_keeps_a_stuck_transfer_inflight(scheduler, clock, monkeyp
     monkeypatch.delenv(ENV_NAME, raising=False)
     req = scheduler.admit_finished_prefill("pinned", room=14)
     scheduler.set_status(req, KVPoll.Transferring)
-    assert _tick_until(scheduler, clock, 10 * BOOTSTRAP_TIMEOUT_S, step=100) == []
+    assert tick_for(scheduler, clock, 10 * BOOTSTRAP_TIMEOUT_S, step=100) == []
     assert scheduler.disagg_prefill_inflight_queue == [req]
     assert req.kv.req_pool_idx is not None
 
@@ -104,7 +94,7 @@ def test_client_error_names_the_timeout_and_failure_counter_moves(
 ):
     req = scheduler.admit_finished_prefill("client-sees-it", room=15)
     scheduler.set_status(req, KVPoll.WaitingForInput)
-    done = _tick_until(scheduler, clock, inflight_timeout + 1)
+    done = tick_for(scheduler, clock, inflight_timeout + 1)
 
     assert done == [req]
     assert scheduler.output_streamer.streamed == [req]
@@ -122,14 +112,14 @@ def test_clock_starts_when_the_request_enters_the_inflight_queue(
     first = scheduler.admit_finished_prefill("early", room=16)
     scheduler.set_status(first, KVPoll.Transferring)
     assert scheduler.tick() == []
-    assert _tick_until(scheduler, clock, inflight_timeout / 2) == []
+    assert tick_for(scheduler, clock, inflight_timeout / 2) == []
     second = scheduler.admit_finished_prefill("later", room=17)
     scheduler.set_status(second, KVPoll.Transferring)
     assert scheduler.tick() == []
 
-    assert _tick_until(scheduler, clock, inflight_timeout / 2) == [first]
+    assert tick_for(scheduler, clock, inflight_timeout / 2) == [first]
     assert scheduler.disagg_prefill_inflight_queue == [second]
-    assert _tick_until(scheduler, clock, inflight_timeout / 2) == [second]
+    assert tick_for(scheduler, clock, inflight_timeout / 2) == [second]
 
 
 @pytest.mark.parametrize("raw", ["0", "-5", "abc", "", "nan", "inf", "60s"])
