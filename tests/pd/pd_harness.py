@@ -133,6 +133,25 @@ class FailureCounters:
         self.bootstrap_failed += 1
 
 
+def make_pools(rows: int, tokens: int) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator, RadixCache]:
+    """req_to_token rows, a token allocator and a disabled radix cache over them."""
+    req_to_token_pool = ReqToTokenPool(
+        size=rows, max_context_len=64, device="cpu", enable_memory_saver=False
+    )
+    allocator = TokenToKVPoolAllocator(
+        size=tokens, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
+    )
+    tree_cache = RadixCache(
+        CacheInitParams(
+            disable=True,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=allocator,
+            page_size=1,
+        )
+    )
+    return req_to_token_pool, allocator, tree_cache
+
+
 class MiniPrefillScheduler(SchedulerDisaggregationPrefillMixin):
     """The state process_disagg_prefill_inflight_queue and its failure path read."""
 
@@ -144,19 +163,8 @@ class MiniPrefillScheduler(SchedulerDisaggregationPrefillMixin):
         self.disagg_prefill_pending_chunk_rids: set[str] = set()
         self.attn_tp_cpu_group = group
         self.attn_cp_cpu_group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, GROUP_TIMEOUT)
-        self.req_to_token_pool = ReqToTokenPool(
-            size=rows, max_context_len=64, device="cpu", enable_memory_saver=False
-        )
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
-            size=tokens, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
-        )
-        self.tree_cache = RadixCache(
-            CacheInitParams(
-                disable=True,
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
-                page_size=1,
-            )
+        self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache = make_pools(
+            rows, tokens
         )
         self.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(rows)
         self.output_streamer = RecordingStreamer()
@@ -281,19 +289,8 @@ class MiniDecodeTransferQueue(DecodeTransferQueue):
         self.metadata_buffers = MetadataBuffers(
             rows, hidden_size=16, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=1
         )
-        self.req_to_token_pool = ReqToTokenPool(
-            size=rows, max_context_len=64, device="cpu", enable_memory_saver=False
-        )
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
-            size=tokens, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False
-        )
-        self.tree_cache = RadixCache(
-            CacheInitParams(
-                disable=True,
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
-                page_size=1,
-            )
+        self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache = make_pools(
+            rows, tokens
         )
         self.kv_manager = make_decode_kv_manager()
 
