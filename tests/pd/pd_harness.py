@@ -402,9 +402,9 @@ def _rank_entry(rank_main, rank: int, port: int, results) -> None:
         os._exit(0)
 
 
-def run_two_ranks(rank_main) -> dict:
+def run_two_ranks(rank_main) -> list:
     """rank_main(rank, group, clock) in two forked processes joined by a real
-    gloo group, each with its own fake clock; {rank: what rank_main returned}."""
+    gloo group, each with its own fake clock; what each returned, in rank order."""
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
     port = _free_port()
@@ -425,7 +425,7 @@ def run_two_ranks(rank_main) -> dict:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    return outcomes
+    return [outcomes[rank] for rank in (0, 1)]
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ def _rank_main(rank, group, clock) -> dict:
 
 
 def test_two_ranks_one_gated_past_the_deadline_fail_in_the_same_tick():
-    rank0, rank1 = run_two_ranks(_rank_main).values()
+    rank0, rank1 = run_two_ranks(_rank_main)
     # Rank 1's local poll is Success from the first tick, but MIN keeps it
     # Transferring while rank 0 is gated; rank 0's deadline concludes both.
     assert rank0["tick"] == rank1["tick"] == int(WAITING_TIMEOUT_S / STEP_S)

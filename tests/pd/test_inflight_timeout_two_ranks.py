@@ -38,7 +38,7 @@ def _rank_main(rank, group, clock) -> dict:
 
 
 def test_two_ranks_with_one_timed_out_reach_failed_in_the_same_tick():
-    rank0, rank1 = run_two_ranks(_rank_main).values()
+    rank0, rank1 = run_two_ranks(_rank_main)
     # Rank 0's deadline passes on its tick TIMEOUT_S; rank 1's would pass
     # later, but MIN(Failed, Transferring) concludes both in that tick.
     assert rank0["tick"] == rank1["tick"] == TIMEOUT_S
