@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from bench.lib.stack import Stack, stack_from_env_dir
-from launch.pdlib.envfiles import parse_file
+from launch.pdlib.envfiles import EnvFileError, parse_file, quote, set_values
+from launch.pdlib.stack import free_loopback_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 PD = ROOT / "launch" / "pd"
@@ -33,43 +33,17 @@ class SimStackError(RuntimeError):
     pass
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _quote(value: str) -> str:
-    """The value in launch's env-file format (plain, or single-quoted when it must be)."""
-    if not any(c in value for c in " \t#$`\\;&|<>()\"'"):
-        return value
-    if "'" in value:
-        raise SimStackError("an env value with a single quote cannot be written to an env file")
-    return f"'{value}'"
-
-
 def set_env_values(path: Path, values: dict[str, str]) -> None:
-    """Replace KEY=... lines of an env file, appending the keys it does not have."""
-    lines = path.read_text().splitlines()
-    pending = dict(values)
-    for i, line in enumerate(lines):
-        key = line.partition("=")[0]
-        if key in pending and not line.startswith("#"):
-            lines[i] = f"{key}={_quote(pending.pop(key))}"
-    lines += [f"{k}={_quote(v)}" for k, v in pending.items()]
-    path.write_text("\n".join(lines) + "\n")
+    """Replace KEY=... lines of an env file (quoted as needed), appending the keys it lacks."""
+    try:
+        set_values(path, {key: quote(value) for key, value in values.items()})
+    except EnvFileError as exc:
+        raise SimStackError(str(exc)) from exc
 
 
 def prepare_env(base: Path, dest: Path, timing: dict[str, str], api_key: str = "") -> Path:
     shutil.copytree(base, dest, ignore=shutil.ignore_patterns("ab", "backups"))
-    prefill, boot, decode, router, prom = _free_ports(5)
+    prefill, boot, decode, router, prom = free_loopback_ports(5)
     set_env_values(
         dest / "common.env",
         {

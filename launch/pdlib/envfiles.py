@@ -84,6 +84,28 @@ def _unquote(value: str, where: str, key: str) -> str:
     return value
 
 
+def quote(value: str) -> str:
+    """The value as an env file must hold it: plain, or single-quoted when it must be."""
+    if not any(c in value for c in " \t#$`\\;&|<>()\"'"):
+        return value
+    if "'" in value:
+        raise EnvFileError("an env value with a single quote cannot be written to an env file")
+    return f"'{value}'"
+
+
+def set_values(path: Path, values: dict[str, str]) -> None:
+    """Replace the KEY=... lines of an env file, appending the keys it does not have. Each
+    text is written as it stands (pass it through quote() where it needs quoting)."""
+    lines = path.read_text().splitlines()
+    pending = dict(values)
+    for i, line in enumerate(lines):
+        key = line.partition("=")[0]
+        if key in pending and not line.startswith("#"):
+            lines[i] = f"{key}={pending.pop(key)}"
+    lines += [f"{k}={v}" for k, v in pending.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def _redact_line(raw: str) -> str:
     key, sep, _ = raw.partition("=")
     return f"{key}={REDACTED}" if sep and SECRET_RE.search(key) else raw

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -13,6 +14,20 @@ from launch.pdlib.envfiles import ROLES, EnvDir, EnvFileError
 ROOT = Path(__file__).resolve().parents[2]
 # Without --sim the engines load a model (many minutes); the sim answers in about a second.
 SIM_HEALTH_TIMEOUT_S = 30.0
+
+
+def free_loopback_ports(n: int) -> list[int]:
+    """n distinct free 127.0.0.1 ports (all held open until chosen, so no two are the same)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def from_root(value: str) -> Path:

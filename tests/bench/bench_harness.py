@@ -3,7 +3,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,11 +14,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from launch.pdlib import envfiles  # noqa: E402
+from launch.pdlib.stack import free_loopback_ports  # noqa: E402
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_loopback_ports(1)[0]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
@@ -133,15 +133,8 @@ def env_with_api_key(key: str | None) -> dict[str, str]:
 
 
 def set_env_values(path: Path, **values: str) -> None:
-    """Replace KEY=... lines of an env file, appending the keys it does not have."""
-    lines = path.read_text().splitlines()
-    pending = dict(values)
-    for i, line in enumerate(lines):
-        key = line.partition("=")[0]
-        if key in pending and not line.startswith("#"):
-            lines[i] = f"{key}={pending.pop(key)}"
-    lines += [f"{k}={v}" for k, v in pending.items()]
-    path.write_text("\n".join(lines) + "\n")
+    """Replace KEY=... lines of an env file, appending the keys it does not have, verbatim."""
+    envfiles.set_values(path, values)
 
 
 def copy_env_dir(dest: Path, **common: str) -> Path:
@@ -149,20 +142,6 @@ def copy_env_dir(dest: Path, **common: str) -> Path:
     shutil.copytree(ROOT / "env", dest, ignore=shutil.ignore_patterns("ab", "backups"))
     set_env_values(dest / "common.env", **common)
     return dest
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all held open until chosen, so no two are the same)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 PD = ROOT / "launch" / "pd"
@@ -173,7 +152,7 @@ class SimStack:
 
     def __init__(self, tmp: Path, decode_env: dict[str, str] | None = None, api_key: str = ""):
         self.tmp = tmp
-        prefill, boot, decode, router, prom = free_ports(5)
+        prefill, boot, decode, router, prom = free_loopback_ports(5)
         self.run_dir = tmp / "run"
         self.env = copy_env_dir(
             tmp / "env",

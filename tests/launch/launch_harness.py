@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,36 +17,19 @@ PD = ROOT / "launch" / "pd"
 SECRET = "sk-test-6f1d2c9a-never-print-me"
 sys.path.insert(0, str(ROOT))
 
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from launch.pdlib import envfiles  # noqa: E402
+from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
 
 def set_values(path: Path, **values: str) -> None:
-    """Replace KEY=... lines in an env file (appending keys it does not have)."""
-    lines = path.read_text().splitlines()
-    pending = dict(values)
-    for i, line in enumerate(lines):
-        key = line.partition("=")[0]
-        if key in pending and not line.startswith("#"):
-            lines[i] = f"{key}={pending.pop(key)}"
-    lines += [f"{k}={v}" for k, v in pending.items()]
-    path.write_text("\n".join(lines) + "\n")
+    """Replace KEY=... lines in an env file (appending keys it does not have), verbatim."""
+    envfiles.set_values(path, values)
 
 
 def make_env_dir(tmp: Path, api_key: str = "") -> Path:
     env = tmp / "env"
     shutil.copytree(ROOT / "env", env, ignore=shutil.ignore_patterns("ab", "backups"))
-    prefill, boot, decode, router, prom = free_ports(5)
+    prefill, boot, decode, router, prom = free_loopback_ports(5)
     set_values(
         env / "common.env",
         PREFILL_PORT=str(prefill),
