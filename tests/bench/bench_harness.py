@@ -17,6 +17,19 @@ sys.path.insert(0, str(ROOT))
 from launch.pdlib import envfiles  # noqa: E402
 from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
+# The smallest honest bench/ab run: one request per C, short prompts and outputs, one warm-up.
+TINY_AB_LOAD = [
+    "--requests-per-c",
+    "1",
+    "--input-words",
+    "8",
+    "--output-tokens",
+    "4",
+    "--warmup",
+    "1",
+    "--no-progress",
+]
+
 
 def free_port() -> int:
     return free_loopback_ports(1)[0]

@@ -1,20 +1,8 @@
 import json
 
-from bench_harness import run_tool
+from bench_harness import TINY_AB_LOAD, run_tool
 
-TINY = [
-    "--trials",
-    "2",
-    "--requests-per-c",
-    "1",
-    "--input-words",
-    "8",
-    "--output-tokens",
-    "4",
-    "--warmup",
-    "1",
-    "--no-progress",
-]
+TINY = ["--trials", "2", *TINY_AB_LOAD]
 
 
 def test_url_mode_reports_both_arms_at_each_concurrency(fake_engine, tmp_path):

@@ -7,7 +7,7 @@ The end-to-end half runs against a sim stack launched with API_KEY set, so the r
 import json
 
 import pytest
-from bench_harness import copy_env_dir, env_with_api_key, run_tool, sim_stack_up
+from bench_harness import TINY_AB_LOAD, copy_env_dir, env_with_api_key, run_tool, sim_stack_up
 
 from bench.lib.client import REDACTED, auth_headers, redact, resolve_api_key
 from bench.lib.stack import stack_from_env_dir
@@ -93,15 +93,7 @@ def test_ab_sends_the_key_and_records_only_that_it_did(keyed_stack, tmp_path):
         "2",
         "--trials",
         "1",
-        "--requests-per-c",
-        "1",
-        "--input-words",
-        "8",
-        "--output-tokens",
-        "4",
-        "--warmup",
-        "1",
-        "--no-progress",
+        *TINY_AB_LOAD,
         # No env dir to read a key from (not even env/): the key comes from $API_KEY alone.
         "--env-dir",
         str(tmp_path / "none"),

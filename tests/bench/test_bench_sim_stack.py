@@ -9,27 +9,13 @@ import json
 from importlib.metadata import PackageNotFoundError, distribution
 
 import pytest
-from bench_harness import ROOT, run_tool
+from bench_harness import ROOT, TINY_AB_LOAD, run_tool
 
 from bench.lib.stack import stack_from_env_dir
 
 DEADLINE_S = 3
 SMALL = ["--max-tokens", "8", "--first-words", "40", "--turn-words", "10"]
-TINY_AB = [
-    "--concurrency",
-    "4,8",
-    "--trials",
-    "2",
-    "--requests-per-c",
-    "1",
-    "--input-words",
-    "8",
-    "--output-tokens",
-    "4",
-    "--warmup",
-    "1",
-    "--no-progress",
-]
+TINY_AB = ["--concurrency", "4,8", "--trials", "2", *TINY_AB_LOAD]
 
 
 def _patched_manifest() -> str | None:
