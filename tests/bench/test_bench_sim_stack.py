@@ -82,6 +82,8 @@ def test_ab_url_mode_against_the_sim_router(sim_stack, tmp_path):
     "patched sglang wheel (no sm120pd_manifest.json in the installed sglang)",
 )
 def test_ab_co_restart_verifies_the_knob_per_trial(sim_stack):
+    """The issue's A/B: two sim arms at the default C64/C80/C96, arms alternating over two
+    trials, each trial co-restarting the stack and verifying its knob live in decode."""
     # Inside the stack's tmp dir, so the leftover sweep also finds processes started from the
     # arms' env copies.
     out = sim_stack.tmp / "ab-co-restart"
@@ -94,19 +96,38 @@ def test_ab_co_restart_verifies_the_knob_per_trial(sim_stack):
         "--env-dir",
         str(sim_stack.env),
         "--sim",
-        # Each trial co-restarts all three roles (about 15 s on the sim), so one trial per arm.
-        *TINY_AB,
+        # No --concurrency: the defaults are the issue's 64, 80 and 96.
         "--trials",
-        "1",
+        "2",
+        *TINY_AB_LOAD,
         "--out",
         str(out),
-        timeout_s=240,
+        timeout_s=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((out / "summary.json").read_text())
-    runs = {(r["arm"], r["trial"], r["concurrency"]) for r in summary["runs"]}
-    assert runs == {(a, 1, c) for a in "AB" for c in (4, 8)}
-    assert all(r["knob"]["required"] and r["knob"]["verified"] for r in summary["runs"])
-    keys = {r["arm"]: r["knob"]["keys"] for r in summary["runs"]}
+    runs = summary["runs"]
+    assert {(r["arm"], r["trial"], r["concurrency"]) for r in runs} == {
+        (a, t, c) for a in "AB" for t in (1, 2) for c in (64, 80, 96)
+    }
+    # A B A B: each trial's arm starts after the other arm's previous trial.
+    order = []
+    for r in runs:
+        if not order or order[-1] != (r["arm"], r["trial"]):
+            order.append((r["arm"], r["trial"]))
+    assert order == [("A", 1), ("B", 1), ("A", 2), ("B", 2)]
+    assert all(r["knob"]["required"] and r["knob"]["verified"] for r in runs)
+    keys = {r["arm"]: r["knob"]["keys"] for r in runs}
     assert keys["A"]["SGLANG_SM120_MMA_TARGET_CTAS"] == "auto"
     assert keys["B"]["SGLANG_SM120_MMA_TARGET_CTAS"] == "512"
+    lines = (out / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * 2 * (64 + 80 + 96)
+    assert all(json.loads(line)["success"] for line in lines)
+
+    report = (out / "report.md").read_text()
+    for c in (64, 80, 96):
+        row = next(ln for ln in report.splitlines() if ln.startswith(f"| {c} |"))
+        assert any(v in row for v in ("B faster", "no detectable difference", "B slower")), row
+    assert "## Deltas refused" not in report
+    for png in ("throughput.png", "tpot.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
