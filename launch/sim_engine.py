@@ -28,12 +28,16 @@ the moment of the request:
   gen_throughput  decode: tokens of the last finished step / the time that step really took;
                 0 while decode has nothing running or queued (prefill: always 0).
   counters      sglang:generation_tokens_total counts every token made, as it is made.
+
+With --api-key every route wants `Authorization: Bearer KEY` (401 otherwise), as on a real
+server, except the ones SGLang leaves open (/health*, /ready*, /metrics*) and the sim's /sim/*.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import itertools
 import json
 import logging
@@ -257,14 +261,34 @@ def _bootstrap(body: dict) -> tuple[str | None, int | None, int | None]:
     )
 
 
+# Routes a key never guards (SGLang's list, matched by prefix as it does, plus the sim's own).
+OPEN_PREFIXES = ("/health", "/ready", "/metrics", "/sim/")
+
+
 class Handlers:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.ids = itertools.count()
 
     def _authorized(self, request: web.Request) -> bool:
+        """SGLang's rule for a normal endpoint with --api-key: `Bearer KEY`, the scheme in any
+        case, the key compared in constant time."""
         key = self.engine.args.api_key
-        return not key or request.headers.get("Authorization") == f"Bearer {key}"
+        if not key:
+            return True
+        scheme, _, token = (request.headers.get("Authorization") or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token, key)
+
+    @web.middleware
+    async def require_api_key(self, request: web.Request, handler):
+        """Every route needs the key, as on a real server, except the ones SGLang leaves open
+        for probes and scraping (/health*, /ready*, /metrics*) and the sim's own /sim/*."""
+        path = request.path
+        if request.method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
+            return await handler(request)
+        if not self._authorized(request):
+            return _error(401, "Unauthorized")
+        return await handler(request)
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.Response(status=200 if self.engine.is_ready() else 503)
@@ -314,8 +338,6 @@ class Handlers:
         return web.json_response({"version": SIM_VERSION})
 
     async def models(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
-            return _error(401, "Unauthorized")
         return web.json_response(
             {
                 "object": "list",
@@ -425,8 +447,6 @@ class Handlers:
         return await self._generate(request, chat=False)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        if not self._authorized(request):
-            return _error(401, "Unauthorized")
         if not self.engine.is_ready():
             return _error(503, "server is starting")
         try:
@@ -618,7 +638,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 async def serve(args: argparse.Namespace, timing: Timing) -> None:
     engine = Engine(args, timing)
     h = Handlers(engine)
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[h.require_api_key])
     app.router.add_get("/health", h.health)
     app.router.add_get("/health_generate", h.health)
     app.router.add_get("/ready", h.health)

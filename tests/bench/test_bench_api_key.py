@@ -5,6 +5,8 @@ The end-to-end half runs against a sim stack launched with API_KEY set, so the r
 """
 
 import json
+import urllib.error
+import urllib.request
 
 import pytest
 from bench_harness import TINY_AB_LOAD, copy_env_dir, env_with_api_key, run_tool, sim_stack_up
@@ -133,3 +135,26 @@ def test_bench_serving_check_gives_both_clients_the_key(keyed_stack):
     )
     assert refused.returncode != 0
     assert "warm-up failed" in refused.stderr + refused.stdout and "401" in refused.stderr
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_sim_engines_guard_the_routes_a_real_server_guards(keyed_stack, role):
+    stack = stack_from_env_dir(keyed_stack.env)
+    base = stack.prefill_url if role == "prefill" else stack.decode_url
+
+    def status(path: str, key: str | None) -> int:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        request = urllib.request.Request(base + path, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=5) as reply:
+                return reply.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    for path in ("/server_info", "/get_model_info", "/v1/models", "/v1/loads", "/get_load"):
+        assert status(path, None) == 401, path
+        assert status(path, "wrong-key") == 401, path
+        assert status(path, KEY) == 200, path
+    # Left open for probes and scraping, as SGLang leaves them.
+    for path in ("/health", "/health_generate", "/metrics"):
+        assert status(path, None) == 200, path
