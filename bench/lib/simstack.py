@@ -16,6 +16,7 @@ from pathlib import Path
 from bench.lib.stack import Stack, stack_from_env_dir
 from launch.pdlib.envfiles import EnvFileError, parse_file, quote, set_values
 from launch.pdlib.stack import free_loopback_ports
+from launch.pdlib.supervise import sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 PD = ROOT / "launch" / "pd"
@@ -93,6 +94,14 @@ def sim_stack(
                 raise SimStackError(f"launch/pd up --sim failed:\n{tail}")
             yield stack_from_env_dir(env_dir), env_dir
         finally:
-            down = _pd("down", env_dir, 60)
-            if down.returncode != 0:
-                print(f"launch/pd down --sim: {(down.stdout + down.stderr).strip()}")
+            try:
+                down = _pd("down", env_dir, 60)
+                if down.returncode != 0:
+                    print(f"launch/pd down --sim: {(down.stdout + down.stderr).strip()}")
+            except subprocess.TimeoutExpired:
+                print("launch/pd down --sim did not finish within 60 s")
+            finally:
+                # A failed or timed-out down must not leave sim engines or a router running.
+                left = sweep(Path(tmp) / "run", env_dir)
+                if left:
+                    print(f"killed {left} process(es) the sim stack left running")

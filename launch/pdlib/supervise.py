@@ -194,6 +194,39 @@ def wait_exited(procs: list[psutil.Process], timeout: float, poll_s: float = 0.0
         time.sleep(poll_s)
 
 
+def processes_naming(marker: Path) -> list[psutil.Process]:
+    """Processes whose command line names `marker` (the launch scripts pass --env-dir on)."""
+    needle = str(Path(marker).resolve())
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(needle in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def sweep(run_dir: Path, marker: Path) -> int:
+    """Kill what a `down` left behind: the pids recorded in run_dir and every process whose
+    command line names `marker`, with their children. Returns how many were found."""
+    targets = []
+    for path in Path(run_dir).glob("*.pid") if Path(run_dir).is_dir() else []:
+        try:
+            targets.append(psutil.Process(int(json.loads(path.read_text())["pid"])))
+        except (psutil.Error, ValueError, KeyError, OSError):
+            pass
+    targets += processes_naming(marker)
+    for proc in targets:
+        try:
+            for child in proc.children(recursive=True):
+                child.kill()
+            proc.kill()
+        except psutil.Error:
+            pass
+    return len(targets)
+
+
 class SystemdSupervisor:
     """Each role is the unit PREFIX-ROLE.service (templates in launch/systemd/)."""
 

@@ -1,5 +1,4 @@
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -14,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from launch.pdlib import envfiles  # noqa: E402
+from launch.pdlib import envfiles, supervise  # noqa: E402
 from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
 # The smallest honest bench/ab run: one request per C, short prompts and outputs, one warm-up.
@@ -202,29 +201,9 @@ class SimStack:
         )
 
     def kill_leftovers(self) -> None:
-        """Whatever `down` missed: recorded pids and any process naming this stack's tmp dir."""
-        import psutil
-
-        targets = []
-        for path in self.run_dir.glob("*.pid") if self.run_dir.is_dir() else []:
-            try:
-                targets.append(psutil.Process(json.loads(path.read_text())["pid"]))
-            except (psutil.Error, ValueError, KeyError):
-                pass
-        needle = str(self.tmp.resolve())
-        for proc in psutil.process_iter(["cmdline"]):
-            try:
-                if any(needle in part for part in proc.info["cmdline"] or []):
-                    targets.append(proc)
-            except psutil.Error:
-                continue
-        for proc in targets:
-            try:
-                for child in proc.children(recursive=True):
-                    child.kill()
-                proc.kill()
-            except psutil.Error:
-                pass
+        """Whatever `down` missed: recorded pids and any process naming this stack's tmp dir
+        (which holds the arms' env copies too)."""
+        supervise.sweep(self.run_dir, self.tmp)
 
 
 @contextlib.contextmanager

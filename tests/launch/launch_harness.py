@@ -17,7 +17,7 @@ PD = ROOT / "launch" / "pd"
 SECRET = "sk-test-6f1d2c9a-never-print-me"
 sys.path.insert(0, str(ROOT))
 
-from launch.pdlib import envfiles  # noqa: E402
+from launch.pdlib import envfiles, supervise  # noqa: E402
 from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
 
@@ -80,41 +80,12 @@ def run_pd(*args: str, env_extra: dict[str, str] | None = None, timeout: float =
     )
 
 
-def recorded_pids(run_dir: Path) -> list[int]:
-    pids = []
-    for path in run_dir.glob("*.pid"):
-        pids.append(json.loads(path.read_text())["pid"])
-    return pids
-
-
 def processes_using(env_dir: Path) -> list[psutil.Process]:
-    """Processes whose command line names this env dir (our scripts pass it on)."""
-    found = []
-    needle = str(env_dir.resolve())
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if any(needle in part for part in proc.info["cmdline"] or []):
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
+    return supervise.processes_naming(env_dir)
 
 
 def kill_all(env_dir: Path, run_dir: Path) -> None:
-    targets = []
-    for pid in recorded_pids(run_dir) if run_dir.is_dir() else []:
-        try:
-            targets.append(psutil.Process(pid))
-        except psutil.Error:
-            pass
-    targets += processes_using(env_dir)
-    for proc in targets:
-        try:
-            for child in proc.children(recursive=True):
-                child.kill()
-            proc.kill()
-        except psutil.Error:
-            pass
+    supervise.sweep(run_dir, env_dir)
 
 
 @pytest.fixture
