@@ -152,6 +152,29 @@ def make_pools(rows: int, tokens: int) -> tuple[ReqToTokenPool, TokenToKVPoolAll
     return req_to_token_pool, allocator, tree_cache
 
 
+def make_req(rid: str, room: int, input_len: int) -> Req:
+    """A request with a prompt of input_len tokens, bootstrapped on loopback for `room`."""
+    req = Req(
+        rid=rid,
+        origin_input_text="",
+        origin_input_ids=array("q", range(1, input_len + 1)),
+        sampling_params=SamplingParams(max_new_tokens=8),
+    )
+    req.bootstrap_host = "127.0.0.1"
+    req.bootstrap_room = room
+    return req
+
+
+def hold_prompt_kv(req: Req, rows: ReqToTokenPool, allocator: TokenToKVPoolAllocator) -> None:
+    """Give the request a req_to_token row and KV tokens for its whole prompt."""
+    input_len = len(req.origin_input_ids)
+    rows.alloc([req])
+    locs = allocator.alloc(input_len)
+    rows.write((req.kv.req_pool_idx, slice(0, input_len)), locs.int())
+    req.kv.kv_allocated_len = input_len
+    req.kv.kv_committed_len = input_len
+
+
 class MiniPrefillScheduler(SchedulerDisaggregationPrefillMixin):
     """The state process_disagg_prefill_inflight_queue and its failure path read."""
 
@@ -184,21 +207,10 @@ class MiniPrefillScheduler(SchedulerDisaggregationPrefillMixin):
         """Take a request through what admission and its prefill forward leave
         behind (tree lock, row, KV tokens, metadata slot, first output token),
         then append it to the inflight queue as process_batch_result does."""
-        req = Req(
-            rid=rid,
-            origin_input_text="",
-            origin_input_ids=array("q", range(1, input_len + 1)),
-            sampling_params=SamplingParams(max_new_tokens=8),
-        )
-        req.bootstrap_host = "127.0.0.1"
-        req.bootstrap_room = room
+        req = make_req(rid, room, input_len)
         req.init_next_round_input(self.tree_cache)
         req.lock = self.tree_cache.lock(req.last_node)
-        self.req_to_token_pool.alloc([req])
-        locs = self.token_to_kv_pool_allocator.alloc(input_len)
-        self.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, input_len)), locs.int())
-        req.kv.kv_allocated_len = input_len
-        req.kv.kv_committed_len = input_len
+        hold_prompt_kv(req, self.req_to_token_pool, self.token_to_kv_pool_allocator)
         req.metadata_buffer_index = self.req_to_metadata_buffer_idx_allocator.alloc()
         req.disagg_kv_sender = CommonKVSender(self.kv_manager, "127.0.0.1:0", room)
         req.output_ids.append(7)
@@ -306,23 +318,12 @@ class MiniDecodeTransferQueue(DecodeTransferQueue):
         bootstrapped receiver, a req_to_token row and KV tokens for the prompt,
         a metadata slot, the destination sent to prefill) and append it to the
         transfer queue as pop_preallocated's caller does."""
-        req = Req(
-            rid=rid,
-            origin_input_text="",
-            origin_input_ids=array("q", range(1, input_len + 1)),
-            sampling_params=SamplingParams(max_new_tokens=8),
-        )
-        req.bootstrap_host = "127.0.0.1"
-        req.bootstrap_room = room
+        req = make_req(rid, room, input_len)
         receiver = CommonKVReceiver(self.kv_manager, "127.0.0.1:0", room)
         # init() with the "early" allocation policy, then send_metadata().
         self.kv_manager.update_status(room, KVPoll.WaitingForInput)
         receiver.init_time = time.time()
-        self.req_to_token_pool.alloc([req])
-        locs = self.token_to_kv_pool_allocator.alloc(input_len)
-        self.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, input_len)), locs.int())
-        req.kv.kv_allocated_len = input_len
-        req.kv.kv_committed_len = input_len
+        hold_prompt_kv(req, self.req_to_token_pool, self.token_to_kv_pool_allocator)
         decode_req = DecodeRequest(
             req=req,
             kv_receiver=receiver,
@@ -338,13 +339,9 @@ class MiniDecodeTransferQueue(DecodeTransferQueue):
 
     def metadata_arrives(self, decode_req: DecodeRequest, first_token: int = 7) -> None:
         """Prefill's write of the request's metadata row (MetadataBuffers.set_buf)."""
-        sent = Req(
-            rid=decode_req.req.rid,
-            origin_input_text="",
-            origin_input_ids=decode_req.req.origin_input_ids,
-            sampling_params=SamplingParams(max_new_tokens=8),
+        sent = make_req(
+            decode_req.req.rid, decode_req.req.bootstrap_room, len(decode_req.req.origin_input_ids)
         )
-        sent.bootstrap_room = decode_req.req.bootstrap_room
         sent.metadata_buffer_index = decode_req.metadata_buffer_index
         sent.output_ids.append(first_token)
         self.metadata_buffers.set_buf(sent)
