@@ -2,9 +2,14 @@
 
 Every comparison goes through upstream's entry point flash_mla_with_kvcache_sm120 with the
 backend switched to "mma", and a spy makes sure our kernel really ran (a dispatch that fell
-through to the reference would otherwise match it trivially).
+through to the reference would otherwise match it trivially). The launch configuration depends
+on the device (tile sizes differ between sm_90 and sm_120), so the comparisons run once per
+configuration the launcher can choose on our targets, with that target's virtual device active
+(under the interpreter it only tells the launcher what the device is).
 """
 
+import contextlib
+import dataclasses
 import logging
 import os
 import subprocess
@@ -16,17 +21,34 @@ import torch
 from cases import Case, assert_matches_reference, make_inputs, reference_args
 from sglang.kernels.ops.attention import flash_mla_sm120 as dispatch
 from sglang.kernels.ops.attention import flash_mla_sm120_mma as mma
+from sglang.kernels.ops.attention import sm120_mma_fit as fit
 from sglang.kernels.ops.attention import sm120_mma_splits as splits
 from sglang.kernels.ops.attention.sm120_mma_splits import ENV_NAME
 
+from bench.lib.virtual_gpu import TARGETS, virtual_device
+
 ROOT = Path(__file__).resolve().parents[2]
 
+
+def _config_of(target) -> fit.LaunchConfig:
+    return fit.config_for(target.arch, fit.limits_for_arch(target.arch).max_shared_per_block)
+
+
+# One target per distinct launch configuration that the launcher chooses on our targets.
+CONFIG_TARGETS = list({_config_of(t): t.key for t in TARGETS.values()}.values())
+
+
+def _config_id(key: str) -> str:
+    cfg = _config_of(TARGETS[key])
+    return f"{TARGETS[key].sm}-t{cfg.block_t}-w{cfg.num_warps}-s{cfg.num_stages}"
+
+
 # H in {16, 64, 128} plus one head count that is not a multiple of the head block; SWA-only and
-# SWA+extra with different page sizes; token counts that are not multiples of the 32-token tile.
-# Each has enough tiles for "4096" to mean several splits.
+# SWA+extra with different page sizes; token counts that are not multiples of the tile. Each has
+# enough tiles for "4096" to mean several splits with either tile size (16 or 32 tokens).
 CASES = [
     Case(batch=1, heads=16, swa_topk=150),
-    Case(batch=3, heads=16, swa_topk=100, swa_page_size=256, sink=False),
+    Case(batch=3, heads=16, swa_topk=140, swa_page_size=256, sink=False),
     Case(batch=2, heads=64, swa_topk=45, extra_topk=77, extra_page_size=64, empty_row=True),
     Case(
         batch=4,
@@ -41,6 +63,31 @@ CASES = [
     Case(batch=5, heads=16, swa_topk=20, extra_topk=200, empty_row=True, sink=False),
     Case(batch=2, heads=20, swa_topk=64, extra_topk=95, extra_page_size=32),
 ]
+
+
+@pytest.fixture(params=CONFIG_TARGETS, ids=_config_id)
+def target_config(request):
+    """Each launch configuration in turn, through its target's (virtual) device."""
+    target = TARGETS[request.param]
+    with virtual_device(target):
+        yield _config_of(target)
+
+
+def test_every_target_configuration_is_covered():
+    assert {_config_of(t) for t in TARGETS.values()} == {
+        _config_of(TARGETS[k]) for k in CONFIG_TARGETS
+    }
+    # The tile size really differs between the targets, so both sizes run here.
+    assert len(CONFIG_TARGETS) >= 2
+
+
+def test_launcher_uses_the_active_device_configuration(target_config, mma_calls, caplog):
+    caplog.set_level(logging.INFO, logger=splits.__name__)
+    splits._logged.clear()
+    _run(make_inputs(Case(batch=1, heads=16, swa_topk=64)))
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith(ENV_NAME)]
+    assert f"KV tiles of {target_config.block_t} tokens" in line
+    assert f"x {target_config.ctas_per_sm} resident CTAs" in line
 
 
 @pytest.fixture
@@ -71,7 +118,9 @@ def _splits_logged(caplog) -> list[int]:
 
 @pytest.mark.parametrize("target", ["1", "4096"], ids=["one-split", "max-splits"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_mma_matches_upstream_reference(case, target, mma_calls, monkeypatch, caplog):
+def test_mma_matches_upstream_reference(
+    case, target, target_config, mma_calls, monkeypatch, caplog
+):
     monkeypatch.setenv(ENV_NAME, target)
     monkeypatch.setattr(splits, "_logged", set())
     caplog.set_level(logging.INFO, logger=splits.__name__)
@@ -112,16 +161,22 @@ def test_narrower_value_head_dim_matches_reference(mma_calls):
     assert_matches_reference(out, lse, *dispatch._sm120_sparse_decode_fwd(*reference_args(kwargs)))
 
 
-def test_one_split_and_many_splits_agree(monkeypatch, caplog):
+@pytest.mark.parametrize("key", CONFIG_TARGETS, ids=_config_id)
+def test_one_split_and_many_splits_agree(key, monkeypatch, caplog):
+    # Few SMs, so that the automatic choice lands strictly between one split and the most.
+    small = dataclasses.replace(TARGETS[key], sms=8)
+    stack = contextlib.ExitStack()
+    stack.enter_context(virtual_device(small))
     monkeypatch.setattr(splits, "_logged", set())
     caplog.set_level(logging.INFO, logger=splits.__name__)
     args = reference_args(
         make_inputs(Case(batch=2, heads=32, swa_topk=128, extra_topk=300, empty_row=True))
     )
     results = {}
-    for target in ("1", "auto", "100000"):
-        monkeypatch.setenv(ENV_NAME, target)
-        results[target] = mma.flash_mla_sparse_decode_mma(*args)
+    with stack:
+        for target in ("1", "auto", "100000"):
+            monkeypatch.setenv(ENV_NAME, target)
+            results[target] = mma.flash_mla_sparse_decode_mma(*args)
     one, auto, many = _splits_logged(caplog)
     assert one == 1 and many > auto > 1, (one, auto, many)
     ref_out, ref_lse = results["1"]

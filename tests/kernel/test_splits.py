@@ -42,7 +42,7 @@ def test_knob_error_surfaces_when_read_from_the_environment(monkeypatch):
 
 
 def _shape(**over):
-    shape = dict(batch=16, head_blocks=1, num_tiles=64, tile_tokens=32, num_sms=132)
+    shape = dict(batch=16, head_blocks=1, num_tiles=64, tile_tokens=32, num_sms=132, ctas_per_sm=2)
     shape.update(over)
     return shape
 
@@ -98,12 +98,21 @@ def test_auto_never_fills_one_wave_just_past_full():
     # Wave quantization: at 132 SMs x 2 slots, 4 splits of 64 requests is 256 CTAs (one wave);
     # 5 splits would need a second, nearly empty wave.
     got = split_count_for(None, **_shape(batch=64, num_sms=132))
-    assert 64 * got <= 132 * splits.CTAS_PER_SM
+    assert 64 * got <= 132 * 2
+
+
+def test_auto_counts_resident_ctas_per_sm():
+    # The same device holding one CTA per SM instead of two has half the slots per wave.
+    one = split_count_for(None, **_shape(batch=64, num_sms=132, ctas_per_sm=1))
+    two = split_count_for(None, **_shape(batch=64, num_sms=132, ctas_per_sm=2))
+    assert 64 * one <= 132 < 64 * two <= 2 * 132
 
 
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="positive shapes"):
         split_count_for(None, **_shape(batch=0))
+    with pytest.raises(ValueError, match="ctas_per_sm=0"):
+        split_count_for(None, **_shape(ctas_per_sm=0))
 
 
 def test_choice_is_logged_once_per_knob_and_shape(monkeypatch, caplog):

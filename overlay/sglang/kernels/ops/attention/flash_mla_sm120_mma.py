@@ -12,6 +12,11 @@ an online softmax in base 2, and writes the split's normalised fp32 output and l
 a single split it folds in the attention sink and writes the final output itself.
 Stage 2, grid (head_blocks, batch): merges the splits exactly (LSE-weighted) and folds in the sink.
 
+Launch configuration: BLOCK_T, warps and stages come from the device as Triton sees it (the
+active driver's architecture and shared memory per block; ``sm120_mma_fit.config_for``), so the
+same code path runs on a GPU, on the audit's virtual devices and under the interpreter. The
+automatic split count counts the compiled kernel's resident CTAs per SM on that device.
+
 Page layout of both caches (``k_cache`` is a ``[pages, page_size, 1, 584]`` byte view whose
 stride(0) is the page's byte size), per token t of a page:
   bytes [t*576, t*576+448)          448 FP8 e4m3 "nope" values
@@ -22,9 +27,18 @@ The launch depends only on shapes (topk lengths and -1 indices are handled in th
 nothing reads device memory on the host, so it can be captured in a CUDA graph.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+from sglang.kernels.ops.attention.sm120_mma_fit import (
+    ArchLimits,
+    LaunchConfig,
+    config_for,
+    limits_for_arch,
+    occupancy,
+)
 from sglang.kernels.ops.attention.sm120_mma_splits import resolve_split_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -36,18 +50,8 @@ _TOKEN_DATA_STRIDE = _NOPE_DIM + 2 * _ROPE_DIM  # 576
 _SCALE_STRIDE = 8
 _BYTES_PER_TOKEN = _TOKEN_DATA_STRIDE + _SCALE_STRIDE  # 584
 
-# One launch configuration for every shape; no autotuning, so the same code path runs compiled,
-# under CUDA graph capture and under TRITON_INTERPRET=1. BLOCK_H=16 is the smallest M of mma.sync;
-# BLOCK_T=32 tokens (18.7 KB of KV) per iteration keeps enough bytes in flight per SM with two
-# resident CTAs.
-BLOCK_H = 16
-BLOCK_T = 32
-NUM_WARPS = 8
-NUM_STAGES = 2
 _COMBINE_WARPS = 4
-
-# Used for the automatic split choice when the tensors are not on a GPU (interpreter runs).
-_INTERPRETER_NUM_SMS = 8
+_COMBINE_BLOCK_H = 16
 
 # Triton's interpreter mis-evaluates tl.dot on bf16 operands (it multiplies the raw bits), so
 # interpreted runs widen the operands to fp32 first. The widening is exact and p is still rounded
@@ -58,7 +62,7 @@ _DOT_DTYPE = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
 @triton.jit
 def _load_kv_tile(
     fp8_ptr,
-    u8_ptr,
+    i64_ptr,
     bf16_ptr,
     idx_row_ptr,
     pos0,
@@ -71,7 +75,9 @@ def _load_kv_tile(
 ):
     """Gather and dequantize tokens [pos0, pos0 + BLOCK_T) of one index list.
 
-    Returns (kv bf16 [BLOCK_T, D], valid [BLOCK_T]); invalid rows are zero.
+    Returns (kv bf16 [BLOCK_T, D], valid [BLOCK_T]); invalid rows are zero. Each load reads
+    whole rows of contiguous bytes from 16-byte-aligned starts, so the compiler can use 128-bit
+    loads, and a token's 8 scale bytes come in as one 64-bit word.
     """
     pos = pos0 + tl.arange(0, BLOCK_T)
     in_list = pos < valid_len
@@ -80,20 +86,22 @@ def _load_kv_tile(
     safe = tl.where(valid, idx, 0)
     page = (safe // page_size).to(tl.int64)
     slot = (safe % page_size).to(tl.int64)
-    data = page * page_bytes + slot * 576
 
     d = tl.arange(0, D)
     is_nope = d < NOPE_DIM
-    nope_mask = valid[:, None] & is_nope[None, :]
-    nope = tl.load(fp8_ptr + data[:, None] + d[None, :], mask=nope_mask, other=0.0)
-    scale_addr = page * page_bytes + page_size * 576 + slot * 8
-    scale_exp = tl.load(
-        u8_ptr + scale_addr[:, None] + (d // 64)[None, :], mask=nope_mask, other=127
+    nope = tl.load(
+        fp8_ptr + (page * page_bytes + slot * 576)[:, None] + d[None, :],
+        mask=valid[:, None] & is_nope[None, :],
+        other=0.0,
     )
-    # UE8M0: the byte is a biased power-of-two exponent.
-    nope = nope.to(tl.float32) * tl.math.exp2(scale_exp.to(tl.float32) - 127.0)
-    # Rope starts at byte 448 of the token's data. Spelled in bf16 elements (rather than as
-    # (data + 448) // 2) so the compiler can prove 16-element alignment and vectorize the load.
+    # Word t of the page's footer holds token t's 7 UE8M0 exponents (biased powers of two), byte
+    # g for nope columns [64 g, 64 g + 64); 0x7F is 2^0, for masked rows.
+    word = page * (page_bytes // 8) + page_size * 72 + slot
+    words = tl.load(i64_ptr + word, mask=valid, other=0x7F7F7F7F7F7F7F7F)
+    exponent = (words[:, None] >> ((d // 64) * 8).to(tl.int64)[None, :]) & 0xFF
+    nope = nope.to(tl.float32) * tl.math.exp2(exponent.to(tl.float32) - 127.0)
+    # Rope starts at byte NOPE_DIM of the token's data. Spelled in bf16 elements so the compiler
+    # can prove 16-byte alignment and vectorize the load.
     rope_elem = page * (page_bytes // 2) + slot * 288 + NOPE_DIM // 2
     rope = tl.load(
         bf16_ptr + rope_elem[:, None] + (d - NOPE_DIM)[None, :],
@@ -116,18 +124,15 @@ def _attend_tile(q, kv, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE: tl.const
     alpha = tl.math.exp2(m_i - m_shift)
     p = tl.math.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16).to(DOT_DTYPE), kv)
+    acc = tl.dot(p.to(tl.bfloat16).to(DOT_DTYPE), kv, acc * alpha[:, None])
     return m_new, l_i, acc
 
 
 @triton.jit
-def _store_final(
-    o_ptrs, lse_ptrs, acc, lse2, sink_ptr, offs_h, h_mask, d_mask, HAS_SINK: tl.constexpr
-):
-    """Write out = acc * exp2(lse2 - lse2_with_sink) and lse (natural log, without the sink).
+def _sink_weight(lse2, sink_ptr, offs_h, h_mask, HAS_SINK: tl.constexpr):
+    """The factor exp2(lse2 - lse2_with_sink) that folds the sink into a normalised output.
 
-    acc is the split-normalised output and lse2 its log2-sum-exp (-inf: no valid token, so zero
-    output), matching upstream's reference contract.
+    lse2 = -inf (no valid token) gives 0: the output is zero, as in upstream's reference.
     """
     empty = lse2 == float("-inf")
     weight = tl.where(empty, 0.0, 1.0)
@@ -136,18 +141,16 @@ def _store_final(
         top = tl.maximum(lse2, sink2)
         total2 = top + tl.math.log2(tl.math.exp2(lse2 - top) + tl.math.exp2(sink2 - top))
         weight = tl.where(empty, 0.0, tl.math.exp2(lse2 - total2))
-    out = acc * weight[:, None]
-    tl.store(o_ptrs, out.to(tl.bfloat16), mask=h_mask[:, None] & d_mask[None, :])
-    tl.store(lse_ptrs, lse2 / LOG2E, mask=h_mask)
+    return weight
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "tiles_per_split"])
 def _sparse_decode_split_kernel(
     Q,
     stride_qb,
     stride_qh,
     swa_fp8,
-    swa_u8,
+    swa_i64,
     swa_bf16,
     swa_idx,
     stride_swa_ib,
@@ -156,7 +159,7 @@ def _sparse_decode_split_kernel(
     swa_page_size,
     swa_page_bytes,
     ext_fp8,
-    ext_u8,
+    ext_i64,
     ext_bf16,
     ext_idx,
     stride_ext_ib,
@@ -216,7 +219,7 @@ def _sparse_decode_split_kernel(
     for tile in range(tile_lo, swa_hi):
         kv, valid = _load_kv_tile(
             swa_fp8,
-            swa_u8,
+            swa_i64,
             swa_bf16,
             swa_row,
             tile * BLOCK_T,
@@ -239,7 +242,7 @@ def _sparse_decode_split_kernel(
         for tile in range(ext_lo, ext_hi):
             kv, valid = _load_kv_tile(
                 ext_fp8,
-                ext_u8,
+                ext_i64,
                 ext_bf16,
                 ext_row,
                 (tile - swa_tiles) * BLOCK_T,
@@ -254,25 +257,22 @@ def _sparse_decode_split_kernel(
 
     has_tokens = l_i > 0.0
     safe_l = tl.where(has_tokens, l_i, 1.0)
-    acc = acc / safe_l[:, None]
     lse2 = tl.where(has_tokens, m_i + tl.math.log2(safe_l), float("-inf"))
-
     if SINGLE_SPLIT:
-        row = pid_b * H + offs_h
-        _store_final(
-            Out + row[:, None] * head_dim_v + d[None, :],
-            LSE + row,
-            acc,
-            lse2,
-            sink_ptr,
-            offs_h,
-            h_mask,
-            d < head_dim_v,
-            HAS_SINK,
+        # Normalise and fold the sink in one factor; lse is natural-log and without the sink.
+        rows = pid_b * H + offs_h
+        weight = _sink_weight(lse2, sink_ptr, offs_h, h_mask, HAS_SINK) / safe_l
+        tl.store(
+            Out + rows[:, None] * head_dim_v + d[None, :],
+            (acc * weight[:, None]).to(tl.bfloat16),
+            mask=h_mask[:, None] & (d < head_dim_v)[None, :],
         )
+        tl.store(LSE + rows, lse2 / LOG2E, mask=h_mask)
     else:
         part = (pid_b * H + offs_h) * num_splits + pid_s
-        tl.store(O_part + part[:, None] * D + d[None, :], acc, mask=h_mask[:, None])
+        tl.store(
+            O_part + part[:, None] * D + d[None, :], acc / safe_l[:, None], mask=h_mask[:, None]
+        )
         tl.store(LSE_part + part, lse2, mask=h_mask)
 
 
@@ -315,21 +315,17 @@ def _combine_splits_kernel(
     has_tokens = total > 0.0
     safe_total = tl.where(has_tokens, total, 1.0)
     lse2 = tl.where(has_tokens, shift + tl.math.log2(safe_total), float("-inf"))
-    _store_final(
+    weight = _sink_weight(lse2, sink_ptr, offs_h, h_mask, HAS_SINK) / safe_total
+    tl.store(
         Out + rows[:, None] * head_dim_v + d[None, :],
-        LSE + rows,
-        acc / safe_total[:, None],
-        lse2,
-        sink_ptr,
-        offs_h,
-        h_mask,
-        d < head_dim_v,
-        HAS_SINK,
+        (acc * weight[:, None]).to(tl.bfloat16),
+        mask=h_mask[:, None] & (d < head_dim_v)[None, :],
     )
+    tl.store(LSE + rows, lse2 / LOG2E, mask=h_mask)
 
 
 def _typed_views(k_cache: torch.Tensor):
-    """fp8, uint8 and bf16 flat views of a page buffer, plus (page_size, page_bytes)."""
+    """fp8, int64 and bf16 flat views of a page buffer, plus (page_size, page_bytes)."""
     if k_cache.dim() != 4 or k_cache.shape[-1] != _BYTES_PER_TOKEN or k_cache.element_size() != 1:
         raise ValueError(
             f"expected a [pages, page_size, 1, {_BYTES_PER_TOKEN}] one-byte KV cache view, got "
@@ -337,13 +333,21 @@ def _typed_views(k_cache: torch.Tensor):
         )
     num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
     page_bytes = k_cache.stride(0)
-    if page_bytes < page_size * _BYTES_PER_TOKEN or page_bytes % 2:
+    if page_bytes < page_size * _BYTES_PER_TOKEN or page_bytes % _SCALE_STRIDE:
         raise ValueError(
             f"KV cache page stride {page_bytes} bytes cannot hold {page_size} tokens of "
-            f"{_BYTES_PER_TOKEN} bytes with an even (bf16-aligned) size"
+            f"{_BYTES_PER_TOKEN} bytes with a size that keeps the 8-byte scale words aligned"
         )
+    if k_cache.data_ptr() % _SCALE_STRIDE:
+        raise ValueError("KV cache pages must start on an 8-byte boundary")
     raw = k_cache.as_strided((num_pages * page_bytes,), (1,)).view(torch.uint8)
-    return raw.view(torch.float8_e4m3fn), raw, raw.view(torch.bfloat16), page_size, page_bytes
+    return (
+        raw.view(torch.float8_e4m3fn),
+        raw.view(torch.int64),
+        raw.view(torch.bfloat16),
+        page_size,
+        page_bytes,
+    )
 
 
 def _index_rows(indices: torch.Tensor, batch: int) -> torch.Tensor:
@@ -355,19 +359,76 @@ def _index_rows(indices: torch.Tensor, batch: int) -> torch.Tensor:
     return rows
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_NUM_SMS
-    return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+@dataclass(frozen=True)
+class _DeviceView:
+    """The device as Triton sees it: what the launch configuration and split choice use."""
+
+    arch: int
+    num_sms: int
+    limits: ArchLimits
+    config: LaunchConfig
 
 
-_sm_counts: dict[int, int] = {}
+# Triton's interpreter runs without a device. Unless a driver was made active (the audit's
+# virtual device does that), interpreted runs take an SM120 with few SMs, so small test shapes
+# still get several splits from the automatic choice.
+_INTERPRETER_VIEW_ARCH = 120
+_INTERPRETER_VIEW_SMS = 8
+
+_views: dict[tuple, _DeviceView] = {}
 
 
-def _cuda_num_sms(index: int) -> int:
-    if index not in _sm_counts:
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _sm_counts[index]
+def _device_view() -> _DeviceView:
+    from triton.runtime.driver import driver
+
+    try:
+        active = driver.active
+    except RuntimeError:
+        if not triton.knobs.runtime.interpret:
+            raise
+        active = None
+    if active is None:
+        arch, num_sms, max_shared = _INTERPRETER_VIEW_ARCH, _INTERPRETER_VIEW_SMS, None
+        key = None
+    else:
+        device = active.get_current_device()
+        # Keyed by the driver object itself (a process has one real driver; the audit's
+        # virtual devices are kept alive by their entries).
+        key = (active, device)
+        view = _views.get(key)
+        if view is not None:
+            return view
+        props = active.utils.get_device_properties(device)
+        arch = active.get_current_target().arch
+        num_sms, max_shared = props["multiprocessor_count"], props["max_shared_mem"]
+    limits = limits_for_arch(arch, max_shared)
+    view = _DeviceView(arch, num_sms, limits, config_for(arch, limits.max_shared_per_block))
+    if key is not None:
+        _views[key] = view
+    return view
+
+
+# Resident stage-1 CTAs per SM of each compiled variant, per device: read once from the
+# compiled kernel (its registers, shared memory and warps), then reused.
+_resident: dict[tuple, int] = {}
+
+
+def _stage1_ctas_per_sm(view: _DeviceView, args: list, constexprs: dict) -> int:
+    if triton.knobs.runtime.interpret:
+        return view.config.ctas_per_sm
+    from triton.runtime.driver import driver
+
+    key = (driver.active, driver.active.get_current_device(), tuple(constexprs.items()))
+    if key not in _resident:
+        cfg = view.config
+        kernel = _sparse_decode_split_kernel.warmup(
+            *args, grid=(1,), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs
+        )
+        kernel._init_handles()
+        _resident[key] = occupancy(
+            kernel.n_regs, kernel.metadata.shared, cfg.num_warps, view.limits
+        ).ctas_per_sm
+    return _resident[key]
 
 
 # Grow-only fp32 scratch for split partials, one per (device, stream). Every buffer ever handed
@@ -417,24 +478,26 @@ def flash_mla_sparse_decode_mma(
     if q3.stride(-1) != 1:
         q3 = q3.contiguous()
 
-    swa_fp8, swa_u8, swa_bf16, swa_page_size, swa_page_bytes = _typed_views(k_cache)
+    view = _device_view()
+    cfg = view.config
+    swa_fp8, swa_i64, swa_bf16, swa_page_size, swa_page_bytes = _typed_views(k_cache)
     swa_rows = _index_rows(indices, batch)
     swa_topk = swa_rows.shape[1]
-    swa_tiles = triton.cdiv(swa_topk, BLOCK_T)
+    swa_tiles = triton.cdiv(swa_topk, cfg.block_t)
 
     has_extra = extra_k_cache is not None and extra_indices is not None
     if has_extra:
-        ext_fp8, ext_u8, ext_bf16, ext_page_size, ext_page_bytes = _typed_views(extra_k_cache)
+        ext_fp8, ext_i64, ext_bf16, ext_page_size, ext_page_bytes = _typed_views(extra_k_cache)
         ext_rows = _index_rows(extra_indices, batch)
     else:
-        ext_fp8, ext_u8, ext_bf16, ext_page_size, ext_page_bytes = swa_fp8, swa_u8, swa_bf16, 1, 0
+        ext_fp8, ext_i64, ext_bf16, ext_page_size, ext_page_bytes = swa_fp8, swa_i64, swa_bf16, 1, 0
         ext_rows = swa_rows
     ext_topk = ext_rows.shape[1] if has_extra else 0
-    num_tiles = swa_tiles + triton.cdiv(ext_topk, BLOCK_T)
+    num_tiles = swa_tiles + triton.cdiv(ext_topk, cfg.block_t)
 
     out = torch.empty(batch, 1, num_heads, head_dim_v, dtype=torch.bfloat16, device=device)
     lse = torch.empty(batch, num_heads, 1, dtype=torch.float32, device=device)
-    head_blocks = triton.cdiv(num_heads, BLOCK_H)
+    head_blocks = triton.cdiv(num_heads, cfg.block_h)
     if batch == 0 or num_heads == 0:
         return out, lse
     if num_tiles == 0:
@@ -442,33 +505,18 @@ def flash_mla_sparse_decode_mma(
         lse.fill_(float("-inf"))
         return out, lse
 
-    num_splits = resolve_split_count(
-        batch=batch,
-        head_blocks=head_blocks,
-        num_tiles=num_tiles,
-        tile_tokens=BLOCK_T,
-        num_sms=_num_sms(device),
-    )
-    tiles_per_split = triton.cdiv(num_tiles, num_splits)
-    single = num_splits == 1
-    if single:
-        o_part = lse_part = out
-    else:
-        rows = batch * num_heads * num_splits
-        scratch = _partials(device, rows * (_D + 1))
-        o_part, lse_part = scratch[: rows * _D], scratch[rows * _D :]
-
     placeholder = swa_rows
     sink = attn_sink if attn_sink is not None else placeholder
     swa_len = topk_length if topk_length is not None else placeholder
     ext_len = extra_topk_length if (has_extra and extra_topk_length is not None) else placeholder
-
-    _sparse_decode_split_kernel[(head_blocks, num_splits, batch)](
+    # Index 29 is num_splits and 31 tiles_per_split (neither is specialized on, so the kernel
+    # compiled for the occupancy query below is the one launched).
+    args = [
         q3,
         q3.stride(0),
         q3.stride(1),
         swa_fp8,
-        swa_u8,
+        swa_i64,
         swa_bf16,
         swa_rows,
         swa_rows.stride(0),
@@ -477,7 +525,7 @@ def flash_mla_sparse_decode_mma(
         swa_page_size,
         swa_page_bytes,
         ext_fp8,
-        ext_u8,
+        ext_i64,
         ext_bf16,
         ext_rows,
         ext_rows.stride(0),
@@ -485,34 +533,52 @@ def flash_mla_sparse_decode_mma(
         ext_topk,
         ext_page_size,
         ext_page_bytes,
-        o_part,
-        lse_part,
+        out,
+        lse,
         out,
         lse,
         sink,
         softmax_scale * 1.4426950408889634,
         num_heads,
         head_dim_v,
-        num_splits,
+        1,
         swa_tiles,
-        tiles_per_split,
+        num_tiles,
+    ]
+    constexprs = dict(
         HAS_SWA_LEN=topk_length is not None,
         HAS_EXTRA=has_extra,
         HAS_EXT_LEN=has_extra and extra_topk_length is not None,
         HAS_SINK=attn_sink is not None,
-        SINGLE_SPLIT=single,
-        BLOCK_H=BLOCK_H,
-        BLOCK_T=BLOCK_T,
+        SINGLE_SPLIT=False,
+        BLOCK_H=cfg.block_h,
+        BLOCK_T=cfg.block_t,
         D=_D,
         NOPE_DIM=_NOPE_DIM,
         DOT_DTYPE=_DOT_DTYPE,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+    )
+    num_splits = resolve_split_count(
+        batch=batch,
+        head_blocks=head_blocks,
+        num_tiles=num_tiles,
+        tile_tokens=cfg.block_t,
+        num_sms=view.num_sms,
+        ctas_per_sm=_stage1_ctas_per_sm(view, args, constexprs),
+    )
+    single = num_splits == 1
+    if not single:
+        rows = batch * num_heads * num_splits
+        scratch = _partials(device, rows * (_D + 1))
+        args[21], args[22] = scratch[: rows * _D], scratch[rows * _D :]
+    args[29], args[31] = num_splits, triton.cdiv(num_tiles, num_splits)
+    constexprs["SINGLE_SPLIT"] = single
+    _sparse_decode_split_kernel[(head_blocks, num_splits, batch)](
+        *args, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs
     )
     if not single:
-        _combine_splits_kernel[(head_blocks, batch)](
-            o_part,
-            lse_part,
+        _combine_splits_kernel[(triton.cdiv(num_heads, _COMBINE_BLOCK_H), batch)](
+            args[21],
+            args[22],
             out,
             lse,
             sink,
@@ -520,7 +586,7 @@ def flash_mla_sparse_decode_mma(
             head_dim_v,
             num_splits,
             HAS_SINK=attn_sink is not None,
-            BLOCK_H=BLOCK_H,
+            BLOCK_H=_COMBINE_BLOCK_H,
             D=_D,
             num_warps=_COMBINE_WARPS,
         )

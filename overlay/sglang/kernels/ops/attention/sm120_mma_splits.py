@@ -27,17 +27,18 @@ AUTO = "auto"
 # (query load, partial write, combine read) dominates the KV it reads.
 MIN_TOKENS_PER_SPLIT = 64
 
-# Cost model of the automatic choice, in units of "one CTA loads one KV tile". Calibrate these
-# with bench/kernel_microbench.py against fixed TARGET_CTAS values on the target GPU.
-# Resident stage-1 CTAs per SM (8 warps each, register-limited to about two per SM).
-CTAS_PER_SM = 2
-# Per-CTA cost besides its tiles: launch ramp and the query block load.
-CTA_OVERHEAD_TILES = 1.0
+# Cost model of the automatic choice, in units of "one CTA gathers one KV token" (the tile size
+# differs per device, so costs are counted in tokens). Calibrate these with bench/kernel against
+# fixed TARGET_CTAS values on the target GPU. The resident CTAs per SM are not a constant here:
+# the launcher reads them from the compiled kernel on the device (registers, shared memory,
+# warps; see sm120_mma_fit.occupancy).
+# Per-CTA cost besides its tokens: launch ramp and the query block load.
+CTA_OVERHEAD_TOKENS = 32
 # Extra per-CTA cost once there is more than one split: a 16-head x 512 fp32 partial is
-# about 32 KiB written by stage 1 and read again by stage 2, against ~18 KiB per 32-token tile.
-SPLIT_OVERHEAD_TILES = 3.5
-# Launching the combine kernel at all, in wave-tile units (a few microseconds).
-COMBINE_LAUNCH_TILES = 3.0
+# about 32 KiB written by stage 1 and read again by stage 2, against 584 bytes per KV token.
+SPLIT_OVERHEAD_TOKENS = 112
+# Launching the combine kernel at all, in wave-token units (a few microseconds).
+COMBINE_LAUNCH_TOKENS = 96
 
 _POSITIVE_INT = re.compile(r"[0-9]+")
 
@@ -81,25 +82,26 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _auto_split_count(base_ctas: int, num_tiles: int, num_sms: int, max_splits: int) -> int:
+def _auto_split_count(
+    base_ctas: int, num_tiles: int, tile_tokens: int, slots: int, max_splits: int
+) -> int:
     """Split count minimising the modelled stage-1 makespan plus the combine's cost.
 
     Makespan = waves x per-CTA work, where waves = ceil(CTAs / resident CTA slots): a grid that
     fills 1.1 waves costs as much as two full ones, which is the wave quantization that
-    FlashAttention's heuristic weighs.
+    FlashAttention's heuristic weighs. ``slots`` is SMs x resident CTAs per SM.
     """
-    slots = max(1, num_sms * CTAS_PER_SM)
     best_splits, best_cost = 1, math.inf
     for splits in range(1, max_splits + 1):
         tiles_per_split = _cdiv(num_tiles, splits)
         if splits > 1 and tiles_per_split == _cdiv(num_tiles, splits - 1):
             # Same work per CTA as one split fewer, only more CTAs: never better.
             continue
-        per_cta = tiles_per_split + CTA_OVERHEAD_TILES
+        per_cta = tiles_per_split * tile_tokens + CTA_OVERHEAD_TOKENS
         cost = 0.0
         if splits > 1:
-            per_cta += SPLIT_OVERHEAD_TILES
-            cost += COMBINE_LAUNCH_TILES
+            per_cta += SPLIT_OVERHEAD_TOKENS
+            cost += COMBINE_LAUNCH_TOKENS
         cost += _cdiv(base_ctas * splits, slots) * per_cta
         if cost < best_cost:
             best_splits, best_cost = splits, cost
@@ -114,25 +116,30 @@ def split_count_for(
     num_tiles: int,
     tile_tokens: int,
     num_sms: int,
+    ctas_per_sm: int,
 ) -> int:
     """Number of KV splits for one launch; a pure function of the knob and the shapes.
 
     ``num_tiles`` is the number of ``tile_tokens``-token KV tiles per request (SWA and extra
     lists together). With ``target_ctas`` = N the result makes batch x head_blocks x splits
     about N; with None it is the automatic choice. Either way it is at least 1, at most one
-    split per MIN_TOKENS_PER_SPLIT tokens, and no split is left empty.
+    split per MIN_TOKENS_PER_SPLIT tokens, and no split is left empty. ``ctas_per_sm`` is how
+    many stage-1 CTAs the compiled kernel keeps resident on one SM; the automatic choice fills
+    whole waves of num_sms x ctas_per_sm.
     """
-    if min(batch, head_blocks, num_tiles, tile_tokens, num_sms) <= 0:
+    if min(batch, head_blocks, num_tiles, tile_tokens, num_sms, ctas_per_sm) <= 0:
         raise ValueError(
             f"split_count_for needs positive shapes, got batch={batch}, "
             f"head_blocks={head_blocks}, num_tiles={num_tiles}, tile_tokens={tile_tokens}, "
-            f"num_sms={num_sms}"
+            f"num_sms={num_sms}, ctas_per_sm={ctas_per_sm}"
         )
     min_tiles = max(1, _cdiv(MIN_TOKENS_PER_SPLIT, tile_tokens))
     max_splits = max(1, num_tiles // min_tiles)
     base_ctas = batch * head_blocks
     if target_ctas is None:
-        wanted = _auto_split_count(base_ctas, num_tiles, num_sms, max_splits)
+        wanted = _auto_split_count(
+            base_ctas, num_tiles, tile_tokens, num_sms * ctas_per_sm, max_splits
+        )
     else:
         wanted = max(1, (target_ctas + base_ctas // 2) // base_ctas)
     wanted = min(wanted, max_splits)
@@ -144,7 +151,13 @@ _logged: set[tuple] = set()
 
 
 def resolve_split_count(
-    *, batch: int, head_blocks: int, num_tiles: int, tile_tokens: int, num_sms: int
+    *,
+    batch: int,
+    head_blocks: int,
+    num_tiles: int,
+    tile_tokens: int,
+    num_sms: int,
+    ctas_per_sm: int,
 ) -> int:
     """split_count_for with the knob read from the environment; logs each new choice once.
 
@@ -160,13 +173,14 @@ def resolve_split_count(
         num_tiles=num_tiles,
         tile_tokens=tile_tokens,
         num_sms=num_sms,
+        ctas_per_sm=ctas_per_sm,
     )
-    key = (raw, batch, head_blocks, num_tiles)
+    key = (raw, batch, head_blocks, num_tiles, num_sms, ctas_per_sm)
     if key not in _logged:
         _logged.add(key)
         logger.info(
-            "%s=%s (%s): batch %d, %d head blocks, %d KV tiles of %d tokens on %d SMs -> "
-            "%d splits, %d CTAs",
+            "%s=%s (%s): batch %d, %d head blocks, %d KV tiles of %d tokens on %d SMs x %d "
+            "resident CTAs -> %d splits, %d CTAs",
             ENV_NAME,
             AUTO if target is None else target,
             "unset" if raw is None else "set",
@@ -175,6 +189,7 @@ def resolve_split_count(
             num_tiles,
             tile_tokens,
             num_sms,
+            ctas_per_sm,
             splits,
             batch * head_blocks * splits,
         )

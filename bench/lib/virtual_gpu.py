@@ -1,0 +1,277 @@
+"""A virtual NVIDIA device for Triton: compile and resource-check real launches without a GPU.
+
+Triton compiles for any NVIDIA architecture without a driver (its wheel ships ptxas and
+cuobjdump), and ``triton.runtime.driver.set_active`` takes any driver object. ``VirtualDriver``
+reports a target's architecture and device properties and records launches instead of running
+them, so our real launcher runs on CPU tensors while Triton's JIT specializes, compiles and checks
+resources exactly as it would on that GPU: ``CompiledKernel._init_handles`` raises
+``OutOfResources`` when the kernel needs more shared memory than the device allows per block.
+Registers, local memory and instruction counts come from the cubin, read with the cuobjdump
+that Triton ships.
+
+    with virtual_device(TARGETS["rtx-pro-6000"]) as dev:
+        flash_mla_sparse_decode_mma(...)      # CPU tensors
+    dev.launches                               # [Launch(kernel, grid, resources), ...]
+"""
+
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+
+import triton
+from sglang.kernels.ops.attention.sm120_mma_fit import limits_for_arch
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase
+from triton.backends.nvidia.driver import ty_to_cpp
+
+
+@dataclass(frozen=True)
+class VirtualTarget:
+    """One product: an architecture (whose limits come from CUDA's table) and an SM count."""
+
+    key: str
+    name: str
+    arch: int
+    sms: int
+    # Datasheet memory bandwidth, GB/s: used only by the traffic model, labelled as such.
+    datasheet_gbps: float
+
+    @property
+    def sm(self) -> str:
+        return f"sm_{self.arch}"
+
+
+# SM counts and bandwidths are product datasheet figures, not measurements.
+TARGETS = {
+    t.key: t
+    for t in (
+        VirtualTarget("rtx-pro-6000", "RTX PRO 6000 Blackwell", 120, 188, 1790.0),
+        VirtualTarget("rtx-5090", "RTX 5090", 120, 170, 1790.0),
+        VirtualTarget("dgx-spark", "DGX Spark GB10", 121, 48, 273.0),
+        VirtualTarget("h200", "H200 (GPU proxy)", 90, 132, 4800.0),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one compiled kernel needs, read from its metadata and its cubin."""
+
+    name: str
+    arch: int
+    num_warps: int
+    shared_bytes: int
+    registers: int
+    local_bytes: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+    tensor_core_ops: int
+    global_loads: int
+    global_loads_128: int
+    global_loads_u8: int
+
+    @property
+    def spills(self) -> bool:
+        return bool(self.local_bytes or self.spill_stores or self.spill_loads)
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    grid: tuple[int, int, int]
+    resources: Resources
+
+    @property
+    def ctas(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+def _tool(name: str) -> str:
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.access(path, os.X_OK):
+        raise RuntimeError(f"{name} not found at {path}: this Triton wheel does not ship it")
+    return path
+
+
+_RESOURCE_LINE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+# SASS mnemonics: HMMA is mma.sync, HGMMA warpgroup MMA (sm_90); LDG a global load and LDGSTS an
+# asynchronous global-to-shared copy (cp.async); STL/LDL local-memory stores and loads.
+_TENSOR_CORE = re.compile(r"\b(?:HMMA|HGMMA|QMMA|UTCHMMA|UTCQMMA)\b")
+_GLOBAL_LOAD = re.compile(r"\b(LDGSTS|LDG)((?:\.\w+)*)(?=\s)")
+_LOCAL = re.compile(r"\b(STL|LDL)\b")
+
+
+def _read_cubin(cubin: bytes) -> tuple[str, str]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run(
+            [_tool("cuobjdump"), "--dump-resource-usage", f.name],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "--dump-sass", f.name], check=True, capture_output=True, text=True
+        ).stdout
+    return usage, sass
+
+
+@lru_cache(maxsize=256)
+def cubin_resources(name: str, arch: int, num_warps: int, shared: int, cubin: bytes) -> Resources:
+    usage, sass = _read_cubin(cubin)
+    match = _RESOURCE_LINE.search(usage)
+    if match is None:
+        raise RuntimeError(f"cuobjdump printed no resource line for {name}:\n{usage}")
+    regs, stack, _, local = (int(g) for g in match.groups())
+    loads = [m.group(2) for m in _GLOBAL_LOAD.finditer(sass)]
+    local_ops = [m.group(1) for m in _LOCAL.finditer(sass)]
+    return Resources(
+        name=name,
+        arch=arch,
+        num_warps=num_warps,
+        shared_bytes=shared,
+        registers=regs,
+        local_bytes=local,
+        stack_bytes=stack,
+        spill_stores=local_ops.count("STL"),
+        spill_loads=local_ops.count("LDL"),
+        tensor_core_ops=len(_TENSOR_CORE.findall(sass)),
+        global_loads=len(loads),
+        global_loads_128=sum(".128" in suffix for suffix in loads),
+        global_loads_u8=sum(".U8" in suffix or ".S8" in suffix for suffix in loads),
+    )
+
+
+class _Utils:
+    """The part of Triton's CudaUtils that the JIT and CompiledKernel use."""
+
+    def __init__(self, device: "VirtualDriver"):
+        self._device = device
+
+    def get_device_properties(self, _device):
+        limits = limits_for_arch(self._device.target.arch)
+        return {
+            "max_shared_mem": limits.max_shared_per_block,
+            "max_num_regs": limits.regs_per_block,
+            "multiprocessor_count": self._device.target.sms,
+            "warpSize": 32,
+            "sm_clock_rate": 0,
+            "mem_clock_rate": 0,
+            "mem_bus_width": 0,
+        }
+
+    def load_binary(self, name, kernel, shared, _device):
+        """Instead of cuModuleLoadData: read the cubin's resources; the handle indexes them."""
+        # launcher_cls runs just before load_binary in CompiledKernel._init_handles.
+        num_warps = self._device._compiling[name]
+        res = cubin_resources(name, self._device.target.arch, num_warps, shared, bytes(kernel))
+        self._device.loaded.append(res)
+        handle = len(self._device.loaded)
+        limits = limits_for_arch(self._device.target.arch)
+        per_warp = -(-res.registers * 32 // 256) * 256
+        max_threads = min(1024, limits.regs_per_block // max(per_warp, 1) * 32)
+        return handle, handle, res.registers, res.spill_stores, max_threads
+
+
+class _RecordingLauncher:
+    def __init__(self, device: "VirtualDriver", src, metadata):
+        self._device = device
+        device._compiling[metadata.name] = metadata.num_warps
+
+    def __call__(self, grid_x, grid_y, grid_z, _stream, function, *_args):
+        res = self._device.loaded[function - 1]
+        self._device.launches.append(Launch(res.name, (grid_x, grid_y, grid_z), res))
+
+
+class VirtualDriver(DriverBase):
+    """A Triton driver for a GPU that is not there: compiles for it, records launches."""
+
+    # Device ids far from real ones, one per target, so the JIT's per-device caches never mix
+    # kernels compiled for different targets.
+    _BASE_ID = 9000
+
+    def __init__(self, target: VirtualTarget):
+        self.target = target
+        self.device_id = self._BASE_ID + list(TARGETS).index(target.key)
+        self.utils = _Utils(self)
+        self.loaded: list[Resources] = []
+        self.launches: list[Launch] = []
+        self._compiling: dict[str, int] = {}
+
+    def launcher_cls(self, src, metadata):
+        return _RecordingLauncher(self, src, metadata)
+
+    @classmethod
+    def is_active(cls):
+        return True
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        return ty_to_cpp(ty)
+
+    def get_current_target(self):
+        return GPUTarget("cuda", self.target.arch, 32)
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def get_current_device(self):
+        return self.device_id
+
+    def set_current_device(self, _device):
+        pass
+
+    def get_current_stream(self, _device=None):
+        return 0
+
+    def get_device_capability(self, _device=None):
+        return divmod(self.target.arch, 10)
+
+    def get_device_interface(self):
+        raise RuntimeError("a virtual device has no torch device interface")
+
+    def get_benchmarker(self):
+        raise RuntimeError("a virtual device cannot time kernels")
+
+    def get_empty_cache_for_benchmark(self):
+        raise RuntimeError("a virtual device cannot time kernels")
+
+    def clear_cache(self, cache):
+        pass
+
+
+@contextlib.contextmanager
+def virtual_device(target: VirtualTarget):
+    """Make ``target`` Triton's active device for the block; the previous driver comes back.
+
+    Under TRITON_INTERPRET=1 nothing is compiled or recorded (the interpreter does not use the
+    driver), but launchers that size their launch from the active device see this target: that
+    is how the interpreter tests run each target's launch configuration.
+    """
+    from triton.runtime.driver import driver
+
+    previous = driver._active
+    dev = VirtualDriver(target)
+    driver.set_active(dev)
+    try:
+        yield dev
+    finally:
+        driver._active = previous
+
+
+__all__ = [
+    "TARGETS",
+    "Launch",
+    "Resources",
+    "VirtualDriver",
+    "VirtualTarget",
+    "cubin_resources",
+    "virtual_device",
+]

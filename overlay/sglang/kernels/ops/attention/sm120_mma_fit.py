@@ -1,0 +1,155 @@
+"""How the SM120 MMA sparse-decode kernel fits a GPU: per-architecture limits, the launch
+configuration for a device, and resident CTAs per SM of a compiled kernel.
+
+Standard library only, so the audit (``bench/kernel_audit``) and the tests can use it without a
+GPU. The limits are CUDA's "Technical Specifications per Compute Capability" table (CUDA C++
+Programming Guide; the same values are in libcu++'s ``cuda/__device/arch_traits.h``): shared
+memory per SM and the 1 KiB the runtime reserves per block, resident threads and blocks per SM,
+and 64 Ki 32-bit registers per SM, allocated per warp in units of 256.
+"""
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+_REGS_PER_SM = 64 * 1024
+_REG_ALLOC_UNIT = 256  # registers, per warp
+_RESERVED_SHARED_PER_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class ArchLimits:
+    arch: int  # compute capability as major * 10 + minor
+    shared_per_sm: int
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    regs_per_sm: int = _REGS_PER_SM
+    reserved_shared_per_block: int = _RESERVED_SHARED_PER_BLOCK
+
+    @property
+    def max_shared_per_block(self) -> int:
+        """The opt-in maximum one block may use (what Triton's driver reports as max_shared_mem)."""
+        return self.shared_per_sm - self.reserved_shared_per_block
+
+    @property
+    def regs_per_block(self) -> int:
+        return self.regs_per_sm
+
+
+_KIB = 1024
+ARCH_LIMITS = {
+    a.arch: a
+    for a in (
+        ArchLimits(80, 164 * _KIB, 2048, 32),
+        ArchLimits(86, 100 * _KIB, 1536, 16),
+        ArchLimits(87, 164 * _KIB, 1536, 16),
+        ArchLimits(89, 100 * _KIB, 1536, 24),
+        ArchLimits(90, 228 * _KIB, 2048, 32),
+        ArchLimits(100, 228 * _KIB, 2048, 32),
+        ArchLimits(103, 228 * _KIB, 2048, 32),
+        ArchLimits(120, 100 * _KIB, 1536, 24),
+        ArchLimits(121, 100 * _KIB, 1536, 24),
+    )
+}
+
+
+def limits_for_arch(arch: int, max_shared_per_block: int | None = None) -> ArchLimits:
+    """CUDA's limits for ``arch``; for an architecture not in the table, the most conservative
+    row of the table, with the shared memory the device itself reports when it is given."""
+    known = ARCH_LIMITS.get(arch)
+    if known is not None:
+        return known
+    shared = (
+        max_shared_per_block + _RESERVED_SHARED_PER_BLOCK
+        if max_shared_per_block
+        else min(a.shared_per_sm for a in ARCH_LIMITS.values())
+    )
+    return ArchLimits(arch, shared, 1536, 16)
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Resident CTAs per SM of one compiled kernel, and which resource limits it."""
+
+    ctas_per_sm: int
+    limited_by: str
+    by_registers: int
+    by_shared: int
+    by_threads: int
+
+    def __str__(self) -> str:
+        return f"{self.ctas_per_sm} CTA/SM ({self.limited_by})"
+
+
+def occupancy(registers: int, shared_bytes: int, num_warps: int, limits: ArchLimits) -> Occupancy:
+    """CTAs of one kernel that fit on an SM at once, as CUDA's occupancy calculator counts them.
+
+    0 means the kernel cannot be resident at all (it would fail to launch).
+    """
+    regs_per_warp = -(-max(registers, 1) * 32 // _REG_ALLOC_UNIT) * _REG_ALLOC_UNIT
+    by_regs = (limits.regs_per_sm // regs_per_warp) // num_warps
+    if shared_bytes > limits.max_shared_per_block:
+        by_shared = 0
+    else:
+        by_shared = limits.shared_per_sm // (shared_bytes + limits.reserved_shared_per_block)
+    by_threads = limits.max_threads_per_sm // (num_warps * 32)
+    counts = {
+        "registers": by_regs,
+        "shared memory": by_shared,
+        "threads": by_threads,
+        "blocks": limits.max_blocks_per_sm,
+    }
+    limit = min(counts, key=counts.get)
+    return Occupancy(counts[limit], limit, by_regs, by_shared, by_threads)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Stage 1's tile sizes and schedule on one kind of device."""
+
+    block_h: int  # query heads per program: the M of the MMA (16 is mma.sync's smallest)
+    block_t: int  # KV tokens gathered and dequantized per loop iteration
+    num_warps: int
+    num_stages: int  # software-pipelining depth Triton gives the loop's loads
+    # Resident CTAs per SM this configuration is sized for on its architectures. The audit
+    # checks that the compiled kernel reaches it; the launcher uses it only where there is no
+    # compiled kernel to read (Triton's interpreter).
+    ctas_per_sm: int
+
+
+# Stage 1 keeps the query block and the dequantized KV tile in shared memory as bf16 MMA
+# operands: the query block once, the tile twice (Triton lays it out once as K^T for the scores
+# and once as V for P.V). Compiled by Triton 3.8 for sm_90, sm_120 and sm_121, stage 1's shared
+# memory is exactly this (bench/kernel_audit prints it next to the compiled figure).
+_HEAD_DIM = 512
+_BF16 = 2
+
+
+def stage1_shared_model(block_h: int, block_t: int) -> int:
+    return _BF16 * _HEAD_DIM * (block_h + 2 * block_t)
+
+
+BLOCK_H = 16  # mma.sync's M: the smallest head block a tensor-core tile serves
+NUM_WARPS = 8
+# Two resident CTAs per SM: while one waits for its KV tile, the other computes. At 8 warps the
+# register file holds two CTAs up to 128 registers per thread, which the compiled kernel meets.
+RESIDENT_CTAS = 2
+# Software pipelining (num_stages > 1) would stage the next tile's raw bytes in shared memory too;
+# it costs the second resident CTA on every target, so the overlap comes from that CTA instead.
+NUM_STAGES = 1
+_BLOCK_T_CHOICES = (32, 16)
+
+
+def config_for(arch: int, max_shared_per_block: int) -> LaunchConfig:
+    """Stage 1's configuration on a device, from its architecture and the shared memory per
+    block it reports: the largest KV tile for which RESIDENT_CTAS CTAs fit one SM's shared
+    memory (32 tokens on sm_90's 228 KiB, 16 on sm_120's and sm_121's 100 KiB); on a device too
+    small for that, the smallest tile with one CTA per SM."""
+    limits = limits_for_arch(arch, max_shared_per_block)
+    per_sm = min(limits.shared_per_sm, max_shared_per_block + limits.reserved_shared_per_block)
+    for block_t in _BLOCK_T_CHOICES:
+        per_cta = stage1_shared_model(BLOCK_H, block_t) + limits.reserved_shared_per_block
+        if RESIDENT_CTAS * per_cta <= per_sm:
+            return LaunchConfig(BLOCK_H, block_t, NUM_WARPS, NUM_STAGES, RESIDENT_CTAS)
+    return LaunchConfig(BLOCK_H, _BLOCK_T_CHOICES[-1], NUM_WARPS, NUM_STAGES, 1)
