@@ -85,6 +85,9 @@ class Launch:
     kernel: str
     grid: tuple[int, int, int]
     resources: Resources
+    # The launch's tl.constexpr arguments that select a compiled variant (flags and tile sizes).
+    variant: tuple[tuple[str, object], ...]
+    num_stages: int
 
     @property
     def ctas(self) -> int:
@@ -179,14 +182,34 @@ class _Utils:
         return handle, handle, res.registers, res.spill_stores, max_threads
 
 
+def _variant(src) -> tuple[tuple[str, object], ...]:
+    names = src.fn.arg_names
+    flags = (
+        (names[path[0]], value)
+        for path, value in getattr(src, "constants", {}).items()
+        if len(path) == 1 and isinstance(value, (bool, int)) and names[path[0]].isupper()
+    )
+    return tuple(sorted(flags))
+
+
+def kernel_resources(kernel, arch: int) -> Resources:
+    """Resources of a CompiledKernel from its metadata and cubin (loaded or not)."""
+    meta = kernel.metadata
+    return cubin_resources(kernel.name, arch, meta.num_warps, meta.shared, kernel.asm["cubin"])
+
+
 class _RecordingLauncher:
     def __init__(self, device: "VirtualDriver", src, metadata):
         self._device = device
+        self._variant = _variant(src)
+        self._num_stages = metadata.num_stages
         device._compiling[metadata.name] = metadata.num_warps
 
     def __call__(self, grid_x, grid_y, grid_z, _stream, function, *_args):
         res = self._device.loaded[function - 1]
-        self._device.launches.append(Launch(res.name, (grid_x, grid_y, grid_z), res))
+        self._device.launches.append(
+            Launch(res.name, (grid_x, grid_y, grid_z), res, self._variant, self._num_stages)
+        )
 
 
 class VirtualDriver(DriverBase):
@@ -273,5 +296,6 @@ __all__ = [
     "VirtualDriver",
     "VirtualTarget",
     "cubin_resources",
+    "kernel_resources",
     "virtual_device",
 ]

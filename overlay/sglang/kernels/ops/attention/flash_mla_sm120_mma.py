@@ -167,10 +167,8 @@ def _sparse_decode_split_kernel(
     ext_topk,
     ext_page_size,
     ext_page_bytes,
-    O_part,
-    LSE_part,
-    Out,
-    LSE,
+    O_ptr,
+    LSE_ptr,
     sink_ptr,
     qk_scale_log2,
     H,
@@ -260,20 +258,22 @@ def _sparse_decode_split_kernel(
     lse2 = tl.where(has_tokens, m_i + tl.math.log2(safe_l), float("-inf"))
     if SINGLE_SPLIT:
         # Normalise and fold the sink in one factor; lse is natural-log and without the sink.
+        # O_ptr and LSE_ptr are the call's out [B, H, head_dim_v] bf16 and lse [B, H] fp32.
         rows = pid_b * H + offs_h
         weight = _sink_weight(lse2, sink_ptr, offs_h, h_mask, HAS_SINK) / safe_l
         tl.store(
-            Out + rows[:, None] * head_dim_v + d[None, :],
+            O_ptr + rows[:, None] * head_dim_v + d[None, :],
             (acc * weight[:, None]).to(tl.bfloat16),
             mask=h_mask[:, None] & (d < head_dim_v)[None, :],
         )
-        tl.store(LSE + rows, lse2 / LOG2E, mask=h_mask)
+        tl.store(LSE_ptr + rows, lse2 / LOG2E, mask=h_mask)
     else:
+        # O_ptr and LSE_ptr are the fp32 partials [B, H, splits, D] and log2-sum-exps.
         part = (pid_b * H + offs_h) * num_splits + pid_s
         tl.store(
-            O_part + part[:, None] * D + d[None, :], acc / safe_l[:, None], mask=h_mask[:, None]
+            O_ptr + part[:, None] * D + d[None, :], acc / safe_l[:, None], mask=h_mask[:, None]
         )
-        tl.store(LSE_part + part, lse2, mask=h_mask)
+        tl.store(LSE_ptr + part, lse2, mask=h_mask)
 
 
 @triton.jit
@@ -509,8 +509,9 @@ def flash_mla_sparse_decode_mma(
     sink = attn_sink if attn_sink is not None else placeholder
     swa_len = topk_length if topk_length is not None else placeholder
     ext_len = extra_topk_length if (has_extra and extra_topk_length is not None) else placeholder
-    # Index 29 is num_splits and 31 tiles_per_split (neither is specialized on, so the kernel
-    # compiled for the occupancy query below is the one launched).
+    # Index 21 and 22 are the outputs (out and lse, or the partials), 27 num_splits and 29
+    # tiles_per_split (neither is specialized on, so the kernel compiled for the occupancy query
+    # below is the one launched).
     args = [
         q3,
         q3.stride(0),
@@ -533,8 +534,6 @@ def flash_mla_sparse_decode_mma(
         ext_topk,
         ext_page_size,
         ext_page_bytes,
-        out,
-        lse,
         out,
         lse,
         sink,
@@ -570,7 +569,7 @@ def flash_mla_sparse_decode_mma(
         rows = batch * num_heads * num_splits
         scratch = _partials(device, rows * (_D + 1))
         args[21], args[22] = scratch[: rows * _D], scratch[rows * _D :]
-    args[29], args[31] = num_splits, triton.cdiv(num_tiles, num_splits)
+    args[27], args[29] = num_splits, triton.cdiv(num_tiles, num_splits)
     constexprs["SINGLE_SPLIT"] = single
     _sparse_decode_split_kernel[(head_blocks, num_splits, batch)](
         *args, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs

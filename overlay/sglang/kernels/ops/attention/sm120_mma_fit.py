@@ -121,7 +121,7 @@ class LaunchConfig:
 # Stage 1 keeps the query block and the dequantized KV tile in shared memory as bf16 MMA
 # operands: the query block once, the tile twice (Triton lays it out once as K^T for the scores
 # and once as V for P.V). Compiled by Triton 3.8 for sm_90, sm_120 and sm_121, stage 1's shared
-# memory is exactly this (bench/kernel_audit prints it next to the compiled figure).
+# memory is exactly this (bench/kernel_audit prints the compiled figure).
 _HEAD_DIM = 512
 _BF16 = 2
 
@@ -132,24 +132,24 @@ def stage1_shared_model(block_h: int, block_t: int) -> int:
 
 BLOCK_H = 16  # mma.sync's M: the smallest head block a tensor-core tile serves
 NUM_WARPS = 8
-# Two resident CTAs per SM: while one waits for its KV tile, the other computes. At 8 warps the
-# register file holds two CTAs up to 128 registers per thread, which the compiled kernel meets.
+# 16-token tiles (9.3 KB of KV each). Two resident CTAs per SM, so that one computes while the
+# other waits for its tile: at 8 warps that needs at most 128 registers per thread, which stage 1
+# compiles to (88 to 108) on sm_90, sm_120 and sm_121. 32-token tiles fit two CTAs' shared memory
+# only on sm_90 (81,920 B each), and there they compile to 128 to 139 registers with stack spills
+# in the single-split variants, i.e. one CTA per SM: no more bytes in flight than 16-token tiles.
+BLOCK_T = 16
 RESIDENT_CTAS = 2
-# Software pipelining (num_stages > 1) would stage the next tile's raw bytes in shared memory too;
-# it costs the second resident CTA on every target, so the overlap comes from that CTA instead.
+# Software pipelining (num_stages > 1) stages the next tile's raw bytes in shared memory
+# (73,920 B at 16-token tiles) and raises registers past 200: one CTA per SM on every target.
 NUM_STAGES = 1
-_BLOCK_T_CHOICES = (32, 16)
 
 
 def config_for(arch: int, max_shared_per_block: int) -> LaunchConfig:
     """Stage 1's configuration on a device, from its architecture and the shared memory per
-    block it reports: the largest KV tile for which RESIDENT_CTAS CTAs fit one SM's shared
-    memory (32 tokens on sm_90's 228 KiB, 16 on sm_120's and sm_121's 100 KiB); on a device too
-    small for that, the smallest tile with one CTA per SM."""
+    block it reports: sized for RESIDENT_CTAS CTAs per SM where their shared memory fits the SM
+    (sm_90, sm_120, sm_121 and every SM of 100 KiB or more), else for one."""
     limits = limits_for_arch(arch, max_shared_per_block)
     per_sm = min(limits.shared_per_sm, max_shared_per_block + limits.reserved_shared_per_block)
-    for block_t in _BLOCK_T_CHOICES:
-        per_cta = stage1_shared_model(BLOCK_H, block_t) + limits.reserved_shared_per_block
-        if RESIDENT_CTAS * per_cta <= per_sm:
-            return LaunchConfig(BLOCK_H, block_t, NUM_WARPS, NUM_STAGES, RESIDENT_CTAS)
-    return LaunchConfig(BLOCK_H, _BLOCK_T_CHOICES[-1], NUM_WARPS, NUM_STAGES, 1)
+    per_cta = stage1_shared_model(BLOCK_H, BLOCK_T) + limits.reserved_shared_per_block
+    ctas = RESIDENT_CTAS if RESIDENT_CTAS * per_cta <= per_sm else 1
+    return LaunchConfig(BLOCK_H, BLOCK_T, NUM_WARPS, NUM_STAGES, ctas)

@@ -1,0 +1,501 @@
+#!/usr/bin/env python3
+"""Audit the mma decode kernel on virtual GPUs: does every DSV4 decode shape load on every target?
+
+For each target (a virtual device: architecture, SM count and CUDA's per-architecture limits)
+and each DSV4 decode shape, runs our real launcher ``flash_mla_sparse_decode_mma`` on CPU tensors
+while Triton's JIT compiles for that target (bench/lib/virtual_gpu.py). Nothing executes; Triton
+specializes, compiles and checks resources as it would on the GPU, and the launches are recorded.
+
+Per compiled kernel it reports shared memory against the per-block limit, registers, local
+memory and spill instructions, resident CTAs per SM (from registers, shared memory and threads)
+and what limits them, tensor-core instructions, global loads (128-bit and byte-wide) read from
+the cubin's SASS with the cuobjdump that Triton ships. Per shape it reports the grid, the split
+count, the waves it fills, and a traffic model: bytes one call must move (KV gathered once per
+head block, partials written and read, q and out) next to upstream's Triton kernel, which reads
+the KV once per head, with lower-bound times at each target's datasheet bandwidth. The model and
+the datasheet figures are labelled as such; nothing here is a measurement of a GPU.
+
+Exit status: 0 when every shape loads on every target with no spills, MMA instructions in stage 1
+and the resident CTAs its configuration is sized for; 1 otherwise; 2 on bad arguments.
+"""
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+_KERNEL_PACKAGE = "sglang.kernels.ops.attention"
+# The modules of the kernel under audit, in import order (later ones import earlier ones).
+_KERNEL_MODULES = ("sm120_mma_fit", "sm120_mma_splits", "flash_mla_sm120_mma")
+
+BYTES_PER_TOKEN = 584  # 448 FP8 nope + 64 BF16 rope + 8 scale bytes
+HEAD_DIM = 512
+SWA_TOKENS = 128
+SWA_PAGE = 256
+# Extra (compressed) index lists of DSV4's layers: name -> (tokens, tokens per page).
+EXTRAS = {
+    "none": (0, 0),
+    "c4-512": (512, 64),
+    "c4-2048": (2048, 64),
+    "c128-512": (512, 2),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    batch: int
+    extra: str
+    sink: bool
+    lengths: bool
+
+    @property
+    def tokens(self) -> int:
+        return SWA_TOKENS + EXTRAS[self.extra][0]
+
+    def __str__(self) -> str:
+        return (
+            f"H{self.heads} B{self.batch} {self.extra}"
+            f"{' sink' if self.sink else ''}{' len' if self.lengths else ''}"
+        )
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _choice_list(choices):
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        unknown = [v for v in values if v not in choices]
+        if not values or unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {unknown or text!r}; choose from {', '.join(choices)}"
+            )
+        return values
+
+    return parse
+
+
+def _on_off(text: str) -> list[bool]:
+    return [v == "on" for v in _choice_list(("on", "off"))(text)]
+
+
+def parse_args(argv, targets):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--targets",
+        type=_choice_list(tuple(targets)),
+        default=",".join(targets),
+        help="comma-separated virtual targets (default: %(default)s)",
+    )
+    p.add_argument(
+        "--heads",
+        type=_int_list,
+        default="8,16,32,64,128",
+        help="comma-separated query heads per rank (default: %(default)s)",
+    )
+    p.add_argument(
+        "--batch",
+        type=_int_list,
+        default="1,2,4,8,16,32,64,80,96,128",
+        help="comma-separated batch sizes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--extra",
+        type=_choice_list(tuple(EXTRAS)),
+        default=",".join(EXTRAS),
+        help="extra index lists: none, c4-N (N tokens, 64-token pages), c128-N (2-token "
+        f"pages); {SWA_TOKENS} SWA tokens in {SWA_PAGE}-token pages always (default: %(default)s)",
+    )
+    p.add_argument("--sink", type=_on_off, default="on,off", help="(default: %(default)s)")
+    p.add_argument(
+        "--lengths",
+        type=_on_off,
+        default="on,off",
+        help="topk lengths given (default: %(default)s)",
+    )
+    p.add_argument(
+        "--target-ctas",
+        default="auto",
+        help="SGLANG_SM120_MMA_TARGET_CTAS for the launches (default: %(default)s)",
+    )
+    p.add_argument("--json", help="write every record to this JSON file (default: none)")
+    p.add_argument(
+        "--shapes",
+        action="store_true",
+        help="print one line per shape and target (default: only failures and key shapes)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=min(len(targets), os.cpu_count() or 1),
+        help="targets audited in parallel processes (default: %(default)s, the CPU count)",
+    )
+    p.add_argument(
+        "--kernel-dir",
+        type=Path,
+        help="audit the kernel modules in this directory instead of the installed ones "
+        f"({', '.join(m + '.py' for m in _KERNEL_MODULES)}, any subset), e.g. an older "
+        "revision's: git show REV:overlay/sglang/kernels/ops/attention/FILE > DIR/FILE",
+    )
+    args = p.parse_args(argv)
+    from sglang.kernels.ops.attention.sm120_mma_splits import parse_target_ctas
+
+    try:
+        parse_target_ctas(args.target_ctas)
+    except ValueError as err:
+        p.error(f"--target-ctas: {err}")
+    if args.jobs < 1:
+        p.error("--jobs must be >= 1")
+    if args.kernel_dir is not None and not args.kernel_dir.is_dir():
+        p.error(f"--kernel-dir {args.kernel_dir}: not a directory")
+    return args
+
+
+def _load_kernel(kernel_dir: Path | None):
+    """The launcher module; from kernel_dir's files where given, else the installed sglang."""
+    if kernel_dir is not None:
+        for name in _KERNEL_MODULES:
+            path = kernel_dir / f"{name}.py"
+            if path.is_file():
+                full = f"{_KERNEL_PACKAGE}.{name}"
+                spec = importlib.util.spec_from_file_location(full, path)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[full] = module
+                spec.loader.exec_module(module)
+    return importlib.import_module(f"{_KERNEL_PACKAGE}.flash_mla_sm120_mma")
+
+
+def _cache(torch, page_size: int, pages: int = 2):
+    """A small [pages, page_size, 1, 584] page buffer: the launch depends on its strides only."""
+    page_bytes = -(-page_size * BYTES_PER_TOKEN // 576) * 576
+    raw = torch.zeros(pages, page_bytes, dtype=torch.uint8)
+    return raw.view(torch.float8_e4m3fn).as_strided(
+        (pages, page_size, 1, BYTES_PER_TOKEN), (page_bytes, BYTES_PER_TOKEN, BYTES_PER_TOKEN, 1)
+    )
+
+
+def _launch_args(torch, shape: Shape) -> tuple:
+    """Positional arguments of flash_mla_sparse_decode_mma for a shape (contents irrelevant)."""
+    b, h = shape.batch, shape.heads
+    extra_tokens, extra_page = EXTRAS[shape.extra]
+    lengths = torch.full((b,), SWA_TOKENS, dtype=torch.int32) if shape.lengths else None
+    extra = (None, None, None)
+    if extra_tokens:
+        extra = (
+            _cache(torch, extra_page),
+            torch.zeros(b, 1, extra_tokens, dtype=torch.int32),
+            torch.full((b,), extra_tokens, dtype=torch.int32) if shape.lengths else None,
+        )
+    return (
+        torch.empty(b, 1, h, HEAD_DIM, dtype=torch.bfloat16),
+        _cache(torch, SWA_PAGE),
+        torch.zeros(b, 1, SWA_TOKENS, dtype=torch.int32),
+        lengths,
+        torch.zeros(h, dtype=torch.float32) if shape.sink else None,
+        HEAD_DIM,
+        HEAD_DIM**-0.5,
+        *extra,
+    )
+
+
+def traffic_model(shape: Shape, head_blocks: int, splits: int) -> dict:
+    """Bytes one call must move (a model): the mma kernel and upstream's per-head Triton kernel."""
+    b, h, t = shape.batch, shape.heads, shape.tokens
+    indices = b * t * 4
+    q_out = b * h * HEAD_DIM * 2 * 2 + b * h * 4
+    kv_mma = b * head_blocks * t * BYTES_PER_TOKEN
+    partials = 2 * b * h * splits * (HEAD_DIM + 1) * 4 if splits > 1 else 0
+    kv_upstream = b * h * t * BYTES_PER_TOKEN
+    return {
+        "kv_bytes": kv_mma,
+        "partial_bytes": partials,
+        "mma_bytes": kv_mma + partials + q_out + indices,
+        "upstream_triton_bytes": kv_upstream + q_out + indices,
+    }
+
+
+def audit_target(key: str, shapes: list[dict], target_ctas: str, kernel_dir: str | None) -> dict:
+    """Audit one target over the shapes (runs in a worker process of its own)."""
+    os.environ["SGLANG_SM120_MMA_TARGET_CTAS"] = target_ctas
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    from triton.runtime.errors import OutOfResources
+
+    from bench.lib.virtual_gpu import TARGETS, kernel_resources, virtual_device
+
+    mma = _load_kernel(Path(kernel_dir) if kernel_dir else None)
+    fit = sys.modules.get(f"{_KERNEL_PACKAGE}.sm120_mma_fit")
+    target = TARGETS[key]
+    kernels: dict[tuple, dict] = {}
+    records = []
+    config = None
+    with virtual_device(target) as dev:
+        if fit is not None and hasattr(mma, "_device_view"):
+            config = asdict(mma._device_view().config)
+        for fields in shapes:
+            shape = Shape(**fields)
+            record = {"target": key, **fields, "tokens": shape.tokens}
+            dev.launches.clear()
+            try:
+                mma.flash_mla_sparse_decode_mma(*_launch_args(torch, shape))
+            except OutOfResources as err:
+                record["error"] = f"OutOfResources: {err}"
+                failed = _last_compiled(mma, dev.device_id)
+                if failed is not None:
+                    record["failed_kernel"] = asdict(kernel_resources(failed, target.arch))
+                records.append(record)
+                continue
+            except Exception as err:  # any other refusal to launch is a finding too
+                record["error"] = f"{type(err).__name__}: {err}"
+                records.append(record)
+                continue
+            launches = []
+            for launch in dev.launches:
+                # Specializations with equal flags (say H = 8 and H = 16) are separate kernels.
+                variant = (launch.kernel, launch.variant, launch.num_stages, launch.resources)
+                if variant not in kernels:
+                    kernels[variant] = _kernel_record(launch, target)
+                launches.append({"kernel": launch.kernel, "grid": list(launch.grid)})
+                if launch.kernel == "_sparse_decode_split_kernel":
+                    record["stage1_kernel"] = list(kernels).index(variant)
+                    record["head_blocks"], record["splits"], _ = launch.grid
+                    record["ctas"] = launch.ctas
+                    slots = target.sms * kernels[variant]["ctas_per_sm"]
+                    record["waves"] = math.ceil(launch.ctas / slots) if slots else None
+            record["launches"] = launches
+            if "splits" in record:
+                record.update(traffic_model(shape, record["head_blocks"], record["splits"]))
+            records.append(record)
+    return {
+        "target": {**asdict(target), "sm": target.sm},
+        "config": config,
+        "kernels": list(kernels.values()),
+        "shapes": records,
+    }
+
+
+def _last_compiled(mma, device_id):
+    """The kernel compiled last for this device (the one that failed to load)."""
+    cache = mma._sparse_decode_split_kernel.device_caches.get(device_id)
+    if not cache or not cache[0]:
+        return None
+    return list(cache[0].values())[-1]
+
+
+def _kernel_record(launch, target) -> dict:
+    from sglang.kernels.ops.attention.sm120_mma_fit import limits_for_arch, occupancy
+
+    res = launch.resources
+    limits = limits_for_arch(target.arch)
+    occ = occupancy(res.registers, res.shared_bytes, res.num_warps, limits)
+    variant = dict(launch.variant)
+    return {
+        "kernel": launch.kernel,
+        "variant": variant,
+        "num_warps": res.num_warps,
+        "num_stages": launch.num_stages,
+        "shared_bytes": res.shared_bytes,
+        "shared_limit": limits.max_shared_per_block,
+        "registers": res.registers,
+        "local_bytes": res.local_bytes,
+        "spill_stores": res.spill_stores,
+        "spill_loads": res.spill_loads,
+        "ctas_per_sm": occ.ctas_per_sm,
+        "limited_by": occ.limited_by,
+        "tensor_core_ops": res.tensor_core_ops,
+        "global_loads": res.global_loads,
+        "global_loads_128": res.global_loads_128,
+        "global_loads_u8": res.global_loads_u8,
+        # Bytes of KV tiles that the resident stage-1 CTAs of one SM have requested at once.
+        "tile_bytes_in_flight_per_sm": (
+            occ.ctas_per_sm * variant["BLOCK_T"] * BYTES_PER_TOKEN if "BLOCK_T" in variant else None
+        ),
+    }
+
+
+def findings(result: dict) -> list[str]:
+    """What makes the audit fail for one target."""
+    out = []
+    name = result["target"]["key"]
+    for rec in result["shapes"]:
+        if "error" in rec:
+            out.append(f"{name} {_shape_of(rec)}: does not load: {rec['error']}")
+    sized_for = (result["config"] or {}).get("ctas_per_sm")
+    for k in result["kernels"]:
+        label = f"{name} {k['kernel']} {_variant_label(k['variant'])}"
+        if k["local_bytes"] or k["spill_stores"] or k["spill_loads"]:
+            out.append(
+                f"{label}: spills ({k['local_bytes']} B local, {k['spill_stores']} stores, "
+                f"{k['spill_loads']} loads)"
+            )
+        if k["kernel"] == "_sparse_decode_split_kernel":
+            if k["tensor_core_ops"] == 0:
+                out.append(f"{label}: no tensor-core (MMA) instruction in stage 1")
+            if sized_for and k["ctas_per_sm"] < sized_for:
+                out.append(
+                    f"{label}: {k['ctas_per_sm']} resident CTAs per SM ({k['limited_by']}), "
+                    f"its configuration is sized for {sized_for}"
+                )
+    return out
+
+
+def _variant_label(variant: dict) -> str:
+    """Tile sizes and the flags that are on, e.g. ``h16 t16 extra,sink,swa_len``."""
+    sizes = [
+        f"{k.removeprefix('BLOCK_').lower()}{v}"
+        for k, v in variant.items()
+        if k.startswith("BLOCK_")
+    ]
+    flags = [k.removeprefix("HAS_").lower() for k, v in variant.items() if v is True]
+    return " ".join(sizes + [",".join(flags) or "-"])
+
+
+def _print_target(result: dict, show_shapes: bool) -> None:
+    t = result["target"]
+    cfg = result["config"]
+    cfg_text = (
+        f"BLOCK_T {cfg['block_t']}, {cfg['num_warps']} warps, {cfg['num_stages']} stage(s), "
+        f"sized for {cfg['ctas_per_sm']} CTA/SM"
+        if cfg
+        else "configuration not reported by this kernel"
+    )
+    print(f"\n== {t['name']} ({t['sm']}, {t['sms']} SMs): {cfg_text}")
+    print(
+        f"   {'kernel':<52} {'shared / limit':>17} {'regs':>4} {'spill':>5} "
+        f"{'CTA/SM (limit)':<18} {'MMA':>4} {'LDG':>4} {'128b':>5} {'u8':>3}"
+    )
+    for k in result["kernels"]:
+        name = "stage1" if k["kernel"] == "_sparse_decode_split_kernel" else "combine"
+        share = k["global_loads_128"] / k["global_loads"] if k["global_loads"] else 0.0
+        spill = k["local_bytes"] + 4 * (k["spill_stores"] + k["spill_loads"])
+        occ = f"{k['ctas_per_sm']} ({k['limited_by']})"
+        print(
+            f"   {name + ' ' + _variant_label(k['variant']):<52} "
+            f"{k['shared_bytes']:>7,} / {k['shared_limit']:<7,} {k['registers']:>4} "
+            f"{'yes' if spill else 'no':>5} {occ:<18} "
+            f"{k['tensor_core_ops']:>4} {k['global_loads']:>4} {share:>5.0%} "
+            f"{k['global_loads_u8']:>3}"
+        )
+    shapes = result["shapes"]
+    loaded = sum("error" not in r for r in shapes)
+    print(f"   shapes: {len(shapes)} audited, {loaded} load, {len(shapes) - loaded} do not")
+    for r in shapes:
+        if "error" in r:
+            failed = r.get("failed_kernel")
+            extra = (
+                f" [{failed['shared_bytes']:,} B shared, {failed['registers']} regs, "
+                f"{failed['global_loads_u8']} byte-wide loads]"
+                if failed
+                else ""
+            )
+            print(f"   FAIL {_shape_of(r)}: {r['error']}{extra}")
+        elif show_shapes or _is_key_shape(r):
+            _print_shape(r, t)
+
+
+def _is_key_shape(r: dict) -> bool:
+    return r["batch"] == 64 and r["extra"] == "c4-512" and r["sink"] and r["lengths"]
+
+
+def _print_shape(r: dict, t: dict) -> None:
+    bw = t["datasheet_gbps"] * 1e9
+    mma, upstream = r["mma_bytes"], r["upstream_triton_bytes"]
+    print(
+        f"   {_shape_of(r)}: grid {r['head_blocks']}x{r['splits']}x{r['batch']} = {r['ctas']} "
+        f"CTAs, {r['waves']} wave(s); model: {mma / 1e6:.2f} MB ({mma / bw * 1e6:.1f} us) vs "
+        f"upstream triton {upstream / 1e6:.2f} MB ({upstream / bw * 1e6:.1f} us) at the "
+        f"{t['datasheet_gbps']:.0f} GB/s datasheet bandwidth"
+    )
+
+
+def _shape_of(record: dict) -> Shape:
+    return Shape(**{k: record[k] for k in Shape.__dataclass_fields__})
+
+
+def main(argv=None) -> int:
+    from bench.lib.virtual_gpu import TARGETS
+
+    args = parse_args(argv, TARGETS)
+    shapes = [
+        asdict(Shape(h, b, e, s, length))
+        for h in args.heads
+        for b in args.batch
+        for e in args.extra
+        for s in args.sink
+        for length in args.lengths
+    ]
+    start = time.monotonic()
+    print(
+        f"kernel_audit: {len(shapes)} shapes x {len(args.targets)} targets, "
+        f"{args.jobs} process(es); compiling for each target (a few minutes the first time)",
+        flush=True,
+    )
+    kernel_dir = str(args.kernel_dir.resolve()) if args.kernel_dir else None
+    jobs = [(key, shapes, args.target_ctas, kernel_dir) for key in args.targets]
+    if args.jobs == 1:
+        results = [audit_target(*job) for job in jobs]
+    else:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+            futures = [pool.submit(audit_target, *job) for job in jobs]
+            results = [f.result() for f in futures]
+    problems = []
+    for result in results:
+        _print_target(result, args.shapes)
+        problems += findings(result)
+    wall = time.monotonic() - start
+    print(f"\nkernel_audit: {len(shapes) * len(results)} launches audited in {wall:.0f} s")
+    if problems:
+        print(f"kernel_audit: FAILED, {len(problems)} finding(s):")
+        for p in problems:
+            print(f"  {p}")
+    else:
+        print(
+            "kernel_audit: every shape loads on every target, no spills, MMA in stage 1, "
+            "resident CTAs as configured"
+        )
+    if args.json:
+        doc = {
+            "command": " ".join(
+                ["bench/kernel_audit", *(argv if argv is not None else sys.argv[1:])]
+            ),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "wall_s": round(wall, 1),
+            "note": "resources are compiled facts; bytes and times are a model at datasheet "
+            "bandwidths, not measurements",
+            "findings": problems,
+            "results": results,
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""bench/kernel_audit: the mma kernel compiled for every target GPU, checked without a GPU.
+
+The audit runs in a process of its own: it compiles (Triton's JIT for virtual devices), while
+this test process runs Triton in interpreter mode (see conftest.py).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sglang.kernels.ops.attention import sm120_mma_fit as fit
+from sglang.kernels.ops.attention.sm120_mma_splits import split_count_for
+
+ROOT = Path(__file__).resolve().parents[2]
+AUDIT = ROOT / "bench" / "kernel_audit.py"
+STAGE1 = "_sparse_decode_split_kernel"
+SM12X = ("rtx-pro-6000", "rtx-5090", "dgx-spark")
+KEY_SHAPE = ["--heads", "16", "--batch", "64", "--extra", "c4-512", "--sink", "on"]
+
+
+def _audit(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    out = tmp_path / "audit.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(AUDIT), *args, "--json", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    return done, (json.loads(out.read_text()) if out.exists() else None)
+
+
+@pytest.fixture(scope="module")
+def full_audit(tmp_path_factory):
+    """The audit with no arguments: every target and every DSV4 decode shape."""
+    done, doc = _audit(tmp_path_factory.mktemp("audit"))
+    assert doc is not None, done.stdout[-3000:] + done.stderr[-3000:]
+    return done, doc
+
+
+def _stage1(result: dict) -> list[dict]:
+    return [k for k in result["kernels"] if k["kernel"] == STAGE1]
+
+
+def _result(doc: dict, key: str) -> dict:
+    (result,) = [r for r in doc["results"] if r["target"]["key"] == key]
+    return result
+
+
+def test_every_dsv4_shape_loads_on_every_target(full_audit):
+    done, doc = full_audit
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert doc["findings"] == []
+    assert {r["target"]["key"] for r in doc["results"]} == {*SM12X, "h200"}
+    for result in doc["results"]:
+        shapes = result["shapes"]
+        # 5 head counts x 10 batch sizes x 4 extra lists x sink on/off x lengths on/off.
+        assert len(shapes) == 800
+        assert [s for s in shapes if "error" in s] == []
+        assert all(s["splits"] >= 1 and s["ctas"] >= s["batch"] for s in shapes)
+
+
+def test_no_kernel_spills_on_any_target(full_audit):
+    for result in full_audit[1]["results"]:
+        for k in result["kernels"]:
+            assert (k["local_bytes"], k["spill_stores"], k["spill_loads"]) == (0, 0, 0), k
+
+
+def test_stage1_runs_on_tensor_cores_and_loads_scales_a_word_per_token(full_audit):
+    for result in full_audit[1]["results"]:
+        for k in _stage1(result):
+            assert k["tensor_core_ops"] > 0, k
+            assert k["global_loads_u8"] == 0, k
+            assert k["global_loads_128"] > 0, k
+
+
+def test_two_stage1_ctas_are_resident_per_sm_on_sm120_and_sm121(full_audit):
+    for key in SM12X:
+        result = _result(full_audit[1], key)
+        assert result["config"]["ctas_per_sm"] == 2
+        assert {k["ctas_per_sm"] for k in _stage1(result)} == {2}
+        for k in _stage1(result):
+            assert k["shared_bytes"] <= k["shared_limit"]
+
+
+def test_stage1_shared_memory_is_what_the_configuration_models(full_audit):
+    for result in full_audit[1]["results"]:
+        for k in _stage1(result):
+            model = fit.stage1_shared_model(k["variant"]["BLOCK_H"], k["variant"]["BLOCK_T"])
+            assert k["shared_bytes"] == model
+
+
+@pytest.mark.parametrize("key", ["rtx-pro-6000", "dgx-spark"])
+def test_auto_fills_whole_waves_of_the_compiled_occupancy_at_b64_h16(full_audit, key):
+    result = _result(full_audit[1], key)
+    (rec,) = [
+        s
+        for s in result["shapes"]
+        if (s["heads"], s["batch"], s["extra"], s["sink"], s["lengths"])
+        == (16, 64, "c4-512", True, True)
+    ]
+    stage1 = result["kernels"][rec["stage1_kernel"]]
+    assert stage1["kernel"] == STAGE1
+    slots = result["target"]["sms"] * stage1["ctas_per_sm"]
+    base = rec["batch"] * rec["head_blocks"]
+    # The last wave is short of full by less than one more split's CTAs: no split count
+    # fills the waves better without adding a wave.
+    assert rec["waves"] * slots - rec["ctas"] < base
+    tile = stage1["variant"]["BLOCK_T"]
+    assert rec["splits"] == split_count_for(
+        None,
+        batch=64,
+        head_blocks=1,
+        num_tiles=-(-128 // tile) + -(-512 // tile),
+        tile_tokens=tile,
+        num_sms=result["target"]["sms"],
+        ctas_per_sm=stage1["ctas_per_sm"],
+    )
+
+
+def test_explicit_target_ctas_keeps_its_meaning(tmp_path):
+    done, doc = _audit(
+        tmp_path, "--targets", "rtx-pro-6000,dgx-spark", *KEY_SHAPE, "--target-ctas", "512"
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for result in doc["results"]:
+        (rec,) = [s for s in result["shapes"] if s["lengths"]]
+        assert rec["ctas"] == 512 and rec["splits"] == 8
+
+
+def test_audit_fails_a_kernel_that_does_not_fit_sm120(tmp_path):
+    # The configuration before the fit: 32-token tiles and two pipeline stages.
+    source = Path(fit.__file__).read_text()
+    for old, new in (("BLOCK_T = 16", "BLOCK_T = 32"), ("NUM_STAGES = 1", "NUM_STAGES = 2")):
+        assert old in source
+        source = source.replace(old, new)
+    kernel_dir = tmp_path / "kernel"
+    kernel_dir.mkdir()
+    (kernel_dir / "sm120_mma_fit.py").write_text(source)
+    done, doc = _audit(
+        tmp_path,
+        "--targets",
+        "rtx-pro-6000",
+        *KEY_SHAPE,
+        "--lengths",
+        "on",
+        "--kernel-dir",
+        str(kernel_dir),
+    )
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "does not load: OutOfResources" in done.stdout
+    (rec,) = doc["results"][0]["shapes"]
+    assert rec["failed_kernel"]["shared_bytes"] > fit.limits_for_arch(120).max_shared_per_block
+
+
+def test_audit_refuses_unknown_targets(tmp_path):
+    done, _ = _audit(tmp_path, "--targets", "rtx-4090")
+    assert done.returncode == 2
+    assert "unknown" in done.stderr and "rtx-pro-6000" in done.stderr
