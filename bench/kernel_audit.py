@@ -152,7 +152,8 @@ def parse_args(argv, targets):
         "--jobs",
         type=int,
         default=min(len(targets), os.cpu_count() or 1),
-        help="targets audited in parallel processes (default: %(default)s, the CPU count)",
+        help="targets audited in parallel processes (default: %(default)s: the CPU count, at "
+        "most one per target)",
     )
     p.add_argument(
         "--kernel-dir",
@@ -266,7 +267,14 @@ def audit_target(key: str, shapes: list[dict], target_ctas: str, kernel_dir: str
                 record["error"] = f"OutOfResources: {err}"
                 failed = _last_compiled(mma, dev.device_id)
                 if failed is not None:
-                    record["failed_kernel"] = asdict(kernel_resources(failed, target.arch))
+                    res = kernel_resources(failed, target.arch)
+                    occ = _occupancy(res, target.arch)
+                    record["failed_kernel"] = {
+                        **asdict(res),
+                        "shared_limit": _limits(target.arch).max_shared_per_block,
+                        "ctas_per_sm": occ.ctas_per_sm,
+                        "limited_by": occ.limited_by,
+                    }
                 records.append(record)
                 continue
             except Exception as err:  # any other refusal to launch is a finding too
@@ -306,12 +314,22 @@ def _last_compiled(mma, device_id):
     return list(cache[0].values())[-1]
 
 
-def _kernel_record(launch, target) -> dict:
-    from sglang.kernels.ops.attention.sm120_mma_fit import limits_for_arch, occupancy
+def _limits(arch: int):
+    from sglang.kernels.ops.attention.sm120_mma_fit import limits_for_arch
 
+    return limits_for_arch(arch)
+
+
+def _occupancy(res, arch: int):
+    from sglang.kernels.ops.attention.sm120_mma_fit import occupancy
+
+    return occupancy(res.registers, res.shared_bytes, res.num_warps, _limits(arch))
+
+
+def _kernel_record(launch, target) -> dict:
     res = launch.resources
-    limits = limits_for_arch(target.arch)
-    occ = occupancy(res.registers, res.shared_bytes, res.num_warps, limits)
+    limits = _limits(target.arch)
+    occ = _occupancy(res, target.arch)
     variant = dict(launch.variant)
     return {
         "kernel": launch.kernel,
@@ -363,6 +381,10 @@ def findings(result: dict) -> list[str]:
     return out
 
 
+def _stage1_kernels(result: dict) -> list[dict]:
+    return [k for k in result["kernels"] if k["kernel"] == "_sparse_decode_split_kernel"]
+
+
 def _variant_label(variant: dict) -> str:
     """Tile sizes and the flags that are on, e.g. ``h16 t16 extra,sink,swa_len``."""
     sizes = [
@@ -384,6 +406,12 @@ def _print_target(result: dict, show_shapes: bool) -> None:
         else "configuration not reported by this kernel"
     )
     print(f"\n== {t['name']} ({t['sm']}, {t['sms']} SMs): {cfg_text}")
+    in_flight = {k["tile_bytes_in_flight_per_sm"] for k in _stage1_kernels(result)}
+    if in_flight:
+        print(
+            "   KV tile bytes requested at once per SM (model: resident CTAs x tile tokens x "
+            f"{BYTES_PER_TOKEN} B): {', '.join(f'{b:,}' for b in sorted(in_flight))}"
+        )
     print(
         f"   {'kernel':<52} {'shared / limit':>17} {'regs':>4} {'spill':>5} "
         f"{'CTA/SM (limit)':<18} {'MMA':>4} {'LDG':>4} {'128b':>5} {'u8':>3}"
@@ -408,6 +436,7 @@ def _print_target(result: dict, show_shapes: bool) -> None:
             failed = r.get("failed_kernel")
             extra = (
                 f" [{failed['shared_bytes']:,} B shared, {failed['registers']} regs, "
+                f"{failed['ctas_per_sm']} CTA/SM ({failed['limited_by']}), "
                 f"{failed['global_loads_u8']} byte-wide loads]"
                 if failed
                 else ""
@@ -449,13 +478,14 @@ def main(argv=None) -> int:
         for length in args.lengths
     ]
     start = time.monotonic()
+    kernel_dir = str(args.kernel_dir.resolve()) if args.kernel_dir else None
+    jobs = [(key, shapes, args.target_ctas, kernel_dir) for key in args.targets]
+    args.jobs = min(args.jobs, len(jobs))
     print(
         f"kernel_audit: {len(shapes)} shapes x {len(args.targets)} targets, "
         f"{args.jobs} process(es); compiling for each target (a few minutes the first time)",
         flush=True,
     )
-    kernel_dir = str(args.kernel_dir.resolve()) if args.kernel_dir else None
-    jobs = [(key, shapes, args.target_ctas, kernel_dir) for key in args.targets]
     if args.jobs == 1:
         results = [audit_target(*job) for job in jobs]
     else:
