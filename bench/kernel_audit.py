@@ -12,7 +12,8 @@ and what limits them, tensor-core instructions, global loads (128-bit and byte-w
 the cubin's SASS with the cuobjdump that Triton ships. Per shape it reports the grid, the split
 count, the waves it fills, and a traffic model: bytes one call must move (KV gathered once per
 head block, partials written and read, q and out) next to upstream's Triton kernel, which reads
-the KV once per head, with lower-bound times at each target's datasheet bandwidth. The model and
+the KV once per head, with lower-bound times at each target's datasheet bandwidth, and the same
+call with q padded to upstream's 64 heads (as SM120 decode fed it before patch 0005). The model and
 the datasheet figures are labelled as such; nothing here is a measurement of a GPU.
 
 Exit status: 0 when every shape loads on every target with no spills, MMA instructions in stage 1
@@ -239,6 +240,37 @@ def traffic_model(shape: Shape, head_blocks: int, splits: int) -> dict:
     }
 
 
+def upstream_padded_heads(heads: int) -> int:
+    """The query width upstream gives SM120 decode backends without a native-head kernel (the
+    mma backend before patch 0005): 64, or the head count above 64."""
+    return 64 if heads <= 64 else heads
+
+
+def _padded_model(mma, torch, dev, shape: Shape) -> dict:
+    """The same call with q padded to upstream's width, launched on the virtual device: the
+    grid the launcher picks for it and its traffic model (what patch 0005 saves)."""
+    width = upstream_padded_heads(shape.heads)
+    if width == shape.heads:
+        return {}
+    padded = Shape(width, shape.batch, shape.extra, shape.sink, shape.lengths)
+    dev.launches.clear()
+    try:
+        mma.flash_mla_sparse_decode_mma(*_launch_args(torch, padded))
+    except Exception as err:
+        return {"padded_heads": width, "padded_error": f"{type(err).__name__}: {err}"}
+    head_blocks, splits, _ = next(
+        launch.grid for launch in dev.launches if launch.kernel == "_sparse_decode_split_kernel"
+    )
+    model = traffic_model(padded, head_blocks, splits)
+    return {
+        "padded_heads": width,
+        "padded_head_blocks": head_blocks,
+        "padded_splits": splits,
+        "padded_kv_bytes": model["kv_bytes"],
+        "padded_mma_bytes": model["mma_bytes"],
+    }
+
+
 def audit_target(key: str, shapes: list[dict], target_ctas: str, kernel_dir: str | None) -> dict:
     """Audit one target over the shapes (runs in a worker process of its own)."""
     os.environ["SGLANG_SM120_MMA_TARGET_CTAS"] = target_ctas
@@ -297,6 +329,7 @@ def audit_target(key: str, shapes: list[dict], target_ctas: str, kernel_dir: str
             record["launches"] = launches
             if "splits" in record:
                 record.update(traffic_model(shape, record["head_blocks"], record["splits"]))
+                record.update(_padded_model(mma, torch, dev, shape))
             records.append(record)
     return {
         "target": {**asdict(target), "sm": target.sm},
@@ -453,11 +486,18 @@ def _is_key_shape(r: dict) -> bool:
 def _print_shape(r: dict, t: dict) -> None:
     bw = t["datasheet_gbps"] * 1e9
     mma, upstream = r["mma_bytes"], r["upstream_triton_bytes"]
+    padded = ""
+    if "padded_mma_bytes" in r:
+        padded = (
+            f"; padded to {r['padded_heads']} heads: {r['padded_mma_bytes'] / 1e6:.2f} MB "
+            f"({r['padded_mma_bytes'] / bw * 1e6:.1f} us), KV {r['padded_kv_bytes'] / 1e6:.2f} "
+            f"MB vs {r['kv_bytes'] / 1e6:.2f} MB native"
+        )
     print(
         f"   {_shape_of(r)}: grid {r['head_blocks']}x{r['splits']}x{r['batch']} = {r['ctas']} "
         f"CTAs, {r['waves']} wave(s); model: {mma / 1e6:.2f} MB ({mma / bw * 1e6:.1f} us) vs "
         f"upstream triton {upstream / 1e6:.2f} MB ({upstream / bw * 1e6:.1f} us) at the "
-        f"{t['datasheet_gbps']:.0f} GB/s datasheet bandwidth"
+        f"{t['datasheet_gbps']:.0f} GB/s datasheet bandwidth{padded}"
     )
 
 

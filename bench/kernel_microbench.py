@@ -6,7 +6,9 @@ SWA list in 256-token pages plus an extra list), measures the device's copy band
 same run, and reports per point: microseconds per call, GB/s of KV gathered (valid tokens x 584
 bytes, each counted once), that as a fraction of copy bandwidth, and the speedup over upstream
 triton. For the mma backend it sweeps SGLANG_SM120_MMA_TARGET_CTAS and says how far ``auto`` is
-from the best fixed value at each shape. Results go to stdout and, with --json, to a JSON file;
+from the best fixed value at each shape. With --padded-heads it also times mma on the same
+inputs with q padded to upstream's width (64 heads), as decode fed it before patch 0005, and
+reports native_vs_padded per target. Results go to stdout and, with --json, to a JSON file;
 --plot writes a PNG.
 
 Needs a CUDA device and the patched sglang (the mma backend) importable; exits with a message
@@ -87,6 +89,13 @@ def parse_args(argv):
         help="timed calls per point, after 3 warm-up calls (default: %(default)s)",
     )
     p.add_argument(
+        "--padded-heads",
+        action="store_true",
+        help="also time mma on the same inputs with q padded to upstream's width (64 heads, "
+        "or the head count above 64) as SM120 decode fed it before patch 0005; rows "
+        "'mma-padded' with native_vs_padded = padded us / native us (default: off)",
+    )
+    p.add_argument(
         "--json", help="write all results to this JSON file (default: none, stdout only)"
     )
     p.add_argument(
@@ -136,6 +145,25 @@ def make_inputs(torch, batch, heads, swa, extra, device):
         kwargs["extra_indices_in_kvcache"] = perm.view(batch, 1, extra)
         kwargs["extra_topk_length"] = torch.full((batch,), extra, dtype=torch.int32, device=device)
     return kwargs
+
+
+def upstream_padded_heads(heads: int) -> int:
+    """The query width upstream gives SM120 decode backends without a native-head kernel."""
+    return 64 if heads <= 64 else heads
+
+
+def padded_inputs(torch, kwargs: dict) -> dict:
+    """The same call with q padded as upstream pads it: real heads first, the rest left as
+    whatever the allocation held (upstream uses new_empty), and the sink zero-padded."""
+    q = kwargs["q"]
+    batch, _, heads, dim = q.shape
+    width = upstream_padded_heads(heads)
+    q_padded = torch.empty(batch, 1, width, dim, dtype=q.dtype, device=q.device)
+    q_padded[:, :, :heads] = q
+    sink = kwargs["attn_sink"]
+    if sink is not None:
+        sink = torch.cat([sink, sink.new_zeros(width - heads)])
+    return {**kwargs, "q": q_padded, "attn_sink": sink}
 
 
 def time_us(torch, fn, iters: int) -> float:
@@ -198,36 +226,51 @@ def main(argv=None) -> int:
                 kwargs = make_inputs(torch, batch, heads, args.swa, extra, device)
                 gathered = batch * (args.swa + extra) * 584
                 point = {"batch": batch, "heads": heads, "swa": args.swa, "extra": extra}
+                runs = [
+                    (backend, target, backend, kwargs)
+                    for backend in args.backends
+                    for target in (args.targets if backend == "mma" else [None])
+                ]
+                if "mma" in args.backends and args.padded_heads:
+                    padded = padded_inputs(torch, kwargs)
+                    if padded["q"].shape[2] != heads:
+                        runs += [("mma", t, "mma-padded", padded) for t in args.targets]
                 results = []
-                for backend in args.backends:
-                    for target in args.targets if backend == "mma" else [None]:
-                        if target is not None:
-                            os.environ["SGLANG_SM120_MMA_TARGET_CTAS"] = target
-                        try:
-                            us = time_us(torch, run_backend(backend, kwargs), args.iters)
-                        except Exception as err:  # a backend the device cannot run
-                            results.append({**point, "backend": backend, "error": repr(err)})
-                            continue
-                        gbps = gathered / (us * 1e-6) / 1e9
-                        results.append(
-                            {
-                                **point,
-                                "backend": backend,
-                                "target_ctas": target,
-                                "us": round(us, 2),
-                                "kv_gbps": round(gbps, 1),
-                                "frac_copy": round(gbps / copy_gbps, 3),
-                            }
-                        )
-                triton_us = next(
-                    (r["us"] for r in results if r["backend"] == "triton" and "us" in r), None
-                )
-                fixed = [r["us"] for r in results if r.get("target_ctas") not in (None, "auto")]
+                for backend, target, label, inputs in runs:
+                    if target is not None:
+                        os.environ["SGLANG_SM120_MMA_TARGET_CTAS"] = target
+                    row = {**point, "backend": label, "target_ctas": target}
+                    if label == "mma-padded":
+                        row["padded_heads"] = inputs["q"].shape[2]
+                    try:
+                        us = time_us(torch, run_backend(backend, inputs), args.iters)
+                    except Exception as err:  # a backend the device cannot run
+                        results.append({**row, "error": repr(err)})
+                        continue
+                    gbps = gathered / (us * 1e-6) / 1e9
+                    results.append(
+                        {
+                            **row,
+                            "us": round(us, 2),
+                            "kv_gbps": round(gbps, 1),
+                            "frac_copy": round(gbps / copy_gbps, 3),
+                        }
+                    )
+                by_label = {(r["backend"], r["target_ctas"]): r.get("us") for r in results}
+                triton_us = by_label.get(("triton", None))
+                fixed = [
+                    r["us"]
+                    for r in results
+                    if r["backend"] == "mma" and r["target_ctas"] != "auto" and "us" in r
+                ]
                 for r in results:
                     if "us" in r and triton_us:
                         r["speedup_vs_triton"] = round(triton_us / r["us"], 2)
-                    if r.get("target_ctas") == "auto" and fixed:
+                    if r["backend"] == "mma" and r["target_ctas"] == "auto" and fixed:
                         r["auto_vs_best_fixed"] = round(r["us"] / min(fixed), 3)
+                    native_us = by_label.get(("mma", r["target_ctas"]))
+                    if r["backend"] == "mma-padded" and "us" in r and native_us:
+                        r["native_vs_padded"] = round(r["us"] / native_us, 2)
                     print(json.dumps(r), flush=True)
                 rows.extend(results)
                 del kwargs

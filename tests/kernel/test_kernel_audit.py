@@ -161,3 +161,23 @@ def test_audit_refuses_unknown_targets(tmp_path):
     done, _ = _audit(tmp_path, "--targets", "rtx-4090")
     assert done.returncode == 2
     assert "unknown" in done.stderr and "rtx-pro-6000" in done.stderr
+
+
+def test_traffic_model_prices_the_padded_query_patch_0005_removed(full_audit):
+    result = _result(full_audit[1], "rtx-pro-6000")
+    by_heads = {
+        s["heads"]: s
+        for s in result["shapes"]
+        if (s["batch"], s["extra"], s["sink"], s["lengths"]) == (64, "c4-512", True, True)
+    }
+    # 64 requests x 640 tokens x 584 bytes, gathered once per head block.
+    native_kv = 64 * 640 * 584
+    assert by_heads[16]["kv_bytes"] == native_kv
+    assert by_heads[8]["kv_bytes"] == native_kv
+    assert by_heads[32]["kv_bytes"] == 2 * native_kv
+    for heads in (8, 16, 32):
+        rec = by_heads[heads]
+        assert rec["padded_heads"] == 64 and rec["padded_head_blocks"] == 4
+        assert rec["padded_kv_bytes"] == 4 * native_kv
+        assert rec["padded_mma_bytes"] > rec["mma_bytes"]
+    assert "padded_heads" not in by_heads[64] and "padded_heads" not in by_heads[128]

@@ -191,3 +191,24 @@ def test_attention_forward_hands_the_backend_native_heads(sm120, monkeypatch):
         assert torch.equal(kw["attn_sink"][:16], layer.attn_sink.detach()[32:48])
     assert shapes["mma"] == ((DECODE_TOKENS, 16, 512), (16,))
     assert shapes["triton"] == ((DECODE_TOKENS, 64, 512), (64,))
+
+
+@pytest.mark.parametrize("native", [8, 16, 32])
+def test_bench_padded_heads_pads_as_upstream_does(sm120, native):
+    """bench/kernel --padded-heads times the call upstream made: its width is what the real
+    _kernel_num_heads gives a backend without native heads, and its real rows are ours."""
+    from bench.kernel_microbench import padded_inputs
+
+    sm120("triton")
+    width = _attention(native * 4, 4)._kernel_num_heads(DECODE_TOKENS)
+    sm120("mma")
+    kwargs = make_inputs(Case(batch=2, heads=native, swa_topk=40, extra_topk=50, seed=2))
+    padded = padded_inputs(torch, kwargs)
+    assert padded["q"].shape == (2, 1, width, 512)
+    assert torch.equal(padded["q"][:, :, :native], kwargs["q"])
+    assert torch.equal(padded["attn_sink"][:native], kwargs["attn_sink"])
+    assert torch.all(padded["attn_sink"][native:] == 0)
+    out_n, lse_n = dispatch.flash_mla_with_kvcache_sm120(**kwargs)
+    out_p, lse_p = dispatch.flash_mla_with_kvcache_sm120(**padded)
+    torch.testing.assert_close(out_p[:, :, :native].float(), out_n.float(), rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(lse_p[:, :native], lse_n, rtol=1e-5, atol=1e-5)
