@@ -36,6 +36,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 _KERNEL_PACKAGE = "sglang.kernels.ops.attention"
+# --targets name of the GPU this process runs on (its launches run for real, recorded).
+REAL_DEVICE = "cuda"
 # The modules of the kernel under audit, in import order (later ones import earlier ones).
 _KERNEL_MODULES = ("sm120_mma_fit", "sm120_mma_splits", "flash_mla_sm120_mma")
 
@@ -108,9 +110,10 @@ def parse_args(argv, targets):
     )
     p.add_argument(
         "--targets",
-        type=_choice_list(tuple(targets)),
+        type=_choice_list((*targets, REAL_DEVICE)),
         default=",".join(targets),
-        help="comma-separated virtual targets (default: %(default)s)",
+        help=f"comma-separated virtual targets, or {REAL_DEVICE!r}: the GPU this runs on, "
+        "launching for real (default: %(default)s)",
     )
     p.add_argument(
         "--heads",
@@ -163,7 +166,20 @@ def parse_args(argv, targets):
         f"({', '.join(m + '.py' for m in _KERNEL_MODULES)}, any subset), e.g. an older "
         "revision's: git show REV:overlay/sglang/kernels/ops/attention/FILE > DIR/FILE",
     )
+    p.add_argument(
+        "--kit",
+        type=Path,
+        help="import the kernel from this GPU kit (bench/gpu_session --prepare) instead of the "
+        "installed sglang (default: none)",
+    )
     args = p.parse_args(argv)
+    if args.kit is not None:
+        from bench.lib.gpu_kit import activate
+
+        try:
+            activate(args.kit)
+        except (FileNotFoundError, RuntimeError) as err:
+            p.error(f"--kit: {err}")
     from sglang.kernels.ops.attention.sm120_mma_splits import parse_target_ctas
 
     try:
@@ -172,6 +188,11 @@ def parse_args(argv, targets):
         p.error(f"--target-ctas: {err}")
     if args.jobs < 1:
         p.error("--jobs must be >= 1")
+    if REAL_DEVICE in args.targets:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error(f"--targets {REAL_DEVICE}: no CUDA device is visible")
     if args.kernel_dir is not None and not args.kernel_dir.is_dir():
         p.error(f"--kernel-dir {args.kernel_dir}: not a directory")
     return args
@@ -191,33 +212,36 @@ def _load_kernel(kernel_dir: Path | None):
     return importlib.import_module(f"{_KERNEL_PACKAGE}.flash_mla_sm120_mma")
 
 
-def _cache(torch, page_size: int, pages: int = 2):
+def _cache(torch, page_size: int, device: str, pages: int = 2):
     """A small [pages, page_size, 1, 584] page buffer: the launch depends on its strides only."""
     page_bytes = -(-page_size * BYTES_PER_TOKEN // 576) * 576
-    raw = torch.zeros(pages, page_bytes, dtype=torch.uint8)
+    raw = torch.zeros(pages, page_bytes, dtype=torch.uint8, device=device)
     return raw.view(torch.float8_e4m3fn).as_strided(
         (pages, page_size, 1, BYTES_PER_TOKEN), (page_bytes, BYTES_PER_TOKEN, BYTES_PER_TOKEN, 1)
     )
 
 
-def _launch_args(torch, shape: Shape) -> tuple:
-    """Positional arguments of flash_mla_sparse_decode_mma for a shape (contents irrelevant)."""
+def _launch_args(torch, shape: Shape, device: str = "cpu") -> tuple:
+    """Positional arguments of flash_mla_sparse_decode_mma for a shape. Contents do not matter
+    to a virtual device; on a real one every index points at token 0, so every read is in
+    bounds."""
     b, h = shape.batch, shape.heads
     extra_tokens, extra_page = EXTRAS[shape.extra]
-    lengths = torch.full((b,), SWA_TOKENS, dtype=torch.int32) if shape.lengths else None
+    i32 = {"dtype": torch.int32, "device": device}
+    lengths = torch.full((b,), SWA_TOKENS, **i32) if shape.lengths else None
     extra = (None, None, None)
     if extra_tokens:
         extra = (
-            _cache(torch, extra_page),
-            torch.zeros(b, 1, extra_tokens, dtype=torch.int32),
-            torch.full((b,), extra_tokens, dtype=torch.int32) if shape.lengths else None,
+            _cache(torch, extra_page, device),
+            torch.zeros(b, 1, extra_tokens, **i32),
+            torch.full((b,), extra_tokens, **i32) if shape.lengths else None,
         )
     return (
-        torch.empty(b, 1, h, HEAD_DIM, dtype=torch.bfloat16),
-        _cache(torch, SWA_PAGE),
-        torch.zeros(b, 1, SWA_TOKENS, dtype=torch.int32),
+        torch.zeros(b, 1, h, HEAD_DIM, dtype=torch.bfloat16, device=device),
+        _cache(torch, SWA_PAGE, device),
+        torch.zeros(b, 1, SWA_TOKENS, **i32),
         lengths,
-        torch.zeros(h, dtype=torch.float32) if shape.sink else None,
+        torch.zeros(h, dtype=torch.float32, device=device) if shape.sink else None,
         HEAD_DIM,
         HEAD_DIM**-0.5,
         *extra,
@@ -246,7 +270,7 @@ def upstream_padded_heads(heads: int) -> int:
     return 64 if heads <= 64 else heads
 
 
-def _padded_model(mma, torch, dev, shape: Shape) -> dict:
+def _padded_model(mma, torch, dev, shape: Shape, device: str) -> dict:
     """The same call with q padded to upstream's width, launched on the virtual device: the
     grid the launcher picks for it and its traffic model (what patch 0005 saves)."""
     width = upstream_padded_heads(shape.heads)
@@ -255,7 +279,7 @@ def _padded_model(mma, torch, dev, shape: Shape) -> dict:
     padded = Shape(width, shape.batch, shape.extra, shape.sink, shape.lengths)
     dev.launches.clear()
     try:
-        mma.flash_mla_sparse_decode_mma(*_launch_args(torch, padded))
+        mma.flash_mla_sparse_decode_mma(*_launch_args(torch, padded, device))
     except Exception as err:
         return {"padded_heads": width, "padded_error": f"{type(err).__name__}: {err}"}
     head_blocks, splits, _ = next(
@@ -271,22 +295,43 @@ def _padded_model(mma, torch, dev, shape: Shape) -> dict:
     }
 
 
-def audit_target(key: str, shapes: list[dict], target_ctas: str, kernel_dir: str | None) -> dict:
+def audit_target(
+    key: str, shapes: list[dict], target_ctas: str, kernel_dir: str | None, kit: str | None
+) -> dict:
     """Audit one target over the shapes (runs in a worker process of its own)."""
     os.environ["SGLANG_SM120_MMA_TARGET_CTAS"] = target_ctas
     os.environ.pop("TRITON_INTERPRET", None)
+    if kit:
+        from bench.lib.gpu_kit import activate
+
+        activate(Path(kit))
     import torch
     from triton.runtime.errors import OutOfResources
 
-    from bench.lib.virtual_gpu import TARGETS, kernel_resources, virtual_device
+    from bench.lib.virtual_gpu import (
+        TARGETS,
+        VirtualTarget,
+        kernel_resources,
+        recording_device,
+        virtual_device,
+    )
 
     mma = _load_kernel(Path(kernel_dir) if kernel_dir else None)
     fit = sys.modules.get(f"{_KERNEL_PACKAGE}.sm120_mma_fit")
-    target = TARGETS[key]
+    if key == REAL_DEVICE:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        # No datasheet bandwidth for a device found at run time: the model prints bytes only.
+        target = VirtualTarget(
+            key, props.name, props.major * 10 + props.minor, props.multi_processor_count, 0.0
+        )
+        device, context = "cuda", recording_device()
+    else:
+        target = TARGETS[key]
+        device, context = "cpu", virtual_device(target)
     kernels: dict[tuple, dict] = {}
     records = []
     config = None
-    with virtual_device(target) as dev:
+    with context as dev:
         if fit is not None and hasattr(mma, "_device_view"):
             config = asdict(mma._device_view().config)
         for fields in shapes:
@@ -294,7 +339,9 @@ def audit_target(key: str, shapes: list[dict], target_ctas: str, kernel_dir: str
             record = {"target": key, **fields, "tokens": shape.tokens}
             dev.launches.clear()
             try:
-                mma.flash_mla_sparse_decode_mma(*_launch_args(torch, shape))
+                mma.flash_mla_sparse_decode_mma(*_launch_args(torch, shape, device))
+                if device == "cuda":
+                    torch.cuda.synchronize()
             except OutOfResources as err:
                 record["error"] = f"OutOfResources: {err}"
                 failed = _last_compiled(mma, dev.device_id)
@@ -329,7 +376,7 @@ def audit_target(key: str, shapes: list[dict], target_ctas: str, kernel_dir: str
             record["launches"] = launches
             if "splits" in record:
                 record.update(traffic_model(shape, record["head_blocks"], record["splits"]))
-                record.update(_padded_model(mma, torch, dev, shape))
+                record.update(_padded_model(mma, torch, dev, shape, device))
             records.append(record)
     return {
         "target": {**asdict(target), "sm": target.sm},
@@ -485,19 +532,21 @@ def _is_key_shape(r: dict) -> bool:
 
 def _print_shape(r: dict, t: dict) -> None:
     bw = t["datasheet_gbps"] * 1e9
-    mma, upstream = r["mma_bytes"], r["upstream_triton_bytes"]
+
+    def size(n: int) -> str:
+        return f"{n / 1e6:.2f} MB" + (f" ({n / bw * 1e6:.1f} us)" if bw else "")
+
     padded = ""
     if "padded_mma_bytes" in r:
         padded = (
-            f"; padded to {r['padded_heads']} heads: {r['padded_mma_bytes'] / 1e6:.2f} MB "
-            f"({r['padded_mma_bytes'] / bw * 1e6:.1f} us), KV {r['padded_kv_bytes'] / 1e6:.2f} "
-            f"MB vs {r['kv_bytes'] / 1e6:.2f} MB native"
+            f"; padded to {r['padded_heads']} heads: {size(r['padded_mma_bytes'])}, KV "
+            f"{r['padded_kv_bytes'] / 1e6:.2f} MB vs {r['kv_bytes'] / 1e6:.2f} MB native"
         )
+    at = f" at the {t['datasheet_gbps']:.0f} GB/s datasheet bandwidth" if bw else ""
     print(
         f"   {_shape_of(r)}: grid {r['head_blocks']}x{r['splits']}x{r['batch']} = {r['ctas']} "
-        f"CTAs, {r['waves']} wave(s); model: {mma / 1e6:.2f} MB ({mma / bw * 1e6:.1f} us) vs "
-        f"upstream triton {upstream / 1e6:.2f} MB ({upstream / bw * 1e6:.1f} us) at the "
-        f"{t['datasheet_gbps']:.0f} GB/s datasheet bandwidth{padded}"
+        f"CTAs, {r['waves']} wave(s); model: {size(r['mma_bytes'])} vs upstream triton "
+        f"{size(r['upstream_triton_bytes'])}{at}{padded}"
     )
 
 
@@ -519,7 +568,8 @@ def main(argv=None) -> int:
     ]
     start = time.monotonic()
     kernel_dir = str(args.kernel_dir.resolve()) if args.kernel_dir else None
-    jobs = [(key, shapes, args.target_ctas, kernel_dir) for key in args.targets]
+    kit = str(args.kit.resolve()) if args.kit else None
+    jobs = [(key, shapes, args.target_ctas, kernel_dir, kit) for key in args.targets]
     args.jobs = min(args.jobs, len(jobs))
     print(
         f"kernel_audit: {len(shapes)} shapes x {len(args.targets)} targets, "

@@ -96,6 +96,18 @@ def parse_args(argv):
         "'mma-padded' with native_vs_padded = padded us / native us (default: off)",
     )
     p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=0.0,
+        help="stop starting new points after this many seconds and list the skipped ones in "
+        "the JSON; 0: no limit (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kit",
+        help="import the kernel from this GPU kit (bench/gpu_session --prepare) instead of the "
+        "installed sglang (default: none)",
+    )
+    p.add_argument(
         "--json", help="write all results to this JSON file (default: none, stdout only)"
     )
     p.add_argument(
@@ -106,8 +118,8 @@ def parse_args(argv):
     unknown = set(args.backends) - {"mma", "triton", "torch", "flashinfer"}
     if unknown:
         p.error(f"unknown backends {sorted(unknown)}")
-    if args.iters <= 0 or args.swa < 0:
-        p.error("--iters must be > 0 and --swa >= 0")
+    if args.iters <= 0 or args.swa < 0 or args.time_budget_s < 0:
+        p.error("--iters must be > 0, --swa >= 0 and --time-budget-s >= 0")
     return args
 
 
@@ -196,6 +208,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("kernel_microbench: needs a CUDA device (none is visible); nothing was run")
     os.environ["SGLANG_SM120_FLASHMLA_BACKEND"] = "mma"
+    if args.kit:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from bench.lib.gpu_kit import activate
+
+        activate(args.kit)
     try:
         from sglang.kernels.ops.attention import flash_mla_sm120 as dispatch
         from sglang.kernels.ops.attention import flash_mla_sm120_mma  # noqa: F401
@@ -219,10 +236,14 @@ def main(argv=None) -> int:
         dispatch._sm120_default_backend = name
         return lambda: dispatch.flash_mla_with_kvcache_sm120(**kwargs)
 
-    rows = []
+    rows, skipped = [], []
+    started = time.monotonic()
     for heads in args.heads:
         for extra in args.extra:
             for batch in args.batch:
+                if args.time_budget_s and time.monotonic() - started > args.time_budget_s:
+                    skipped.append({"batch": batch, "heads": heads, "extra": extra})
+                    continue
                 kwargs = make_inputs(torch, batch, heads, args.swa, extra, device)
                 gathered = batch * (args.swa + extra) * 584
                 point = {"batch": batch, "heads": heads, "swa": args.swa, "extra": extra}
@@ -276,9 +297,15 @@ def main(argv=None) -> int:
                 del kwargs
                 torch.cuda.empty_cache()
 
+    if skipped:
+        print(
+            f"kernel_microbench: time budget of {args.time_budget_s:.0f} s spent; "
+            f"{len(skipped)} point(s) skipped (listed in the JSON)",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**header, "results": rows}, f, indent=1)
+            json.dump({**header, "results": rows, "skipped": skipped}, f, indent=1)
     if args.plot:
         _plot(rows, args.plot)
     return 0

@@ -23,10 +23,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import triton
-from sglang.kernels.ops.attention.sm120_mma_fit import limits_for_arch
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.backends.nvidia.driver import ty_to_cpp
+
+
+def limits_for_arch(arch: int):
+    """CUDA's per-architecture limits, from the kernel's own fit module (imported late, so a
+    GPU kit can be activated first; see bench/lib/gpu_kit.py)."""
+    from sglang.kernels.ops.attention.sm120_mma_fit import limits_for_arch as limits
+
+    return limits(arch)
 
 
 @dataclass(frozen=True)
@@ -270,6 +277,76 @@ class VirtualDriver(DriverBase):
         pass
 
 
+class _RecordingUtils:
+    """The real driver's utils, reading each loaded cubin's resources on the way."""
+
+    def __init__(self, real, device: "RecordingDriver"):
+        self._real = real
+        self._device = device
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def load_binary(self, name, kernel, shared, device):
+        loaded = self._real.load_binary(name, kernel, shared, device)
+        num_warps = self._device._compiling[name]
+        res = cubin_resources(name, self._device.arch, num_warps, shared, bytes(kernel))
+        self._device.loaded_by_handle[loaded[1]] = res
+        self._device.driver_registers[loaded[1]] = loaded[2]
+        return loaded
+
+
+class _ForwardingLauncher:
+    def __init__(self, device: "RecordingDriver", src, metadata):
+        self._device = device
+        self._variant = _variant(src)
+        self._num_stages = metadata.num_stages
+        device._compiling[metadata.name] = metadata.num_warps
+        self._inner = device._real.launcher_cls(src, metadata)
+
+    def __call__(self, grid_x, grid_y, grid_z, stream, function, *args):
+        res = self._device.loaded_by_handle[function]
+        self._device.launches.append(
+            Launch(res.name, (grid_x, grid_y, grid_z), res, self._variant, self._num_stages)
+        )
+        return self._inner(grid_x, grid_y, grid_z, stream, function, *args)
+
+
+class RecordingDriver:
+    """Triton's real (CUDA) driver, launching for real while recording every launch and the
+    resources of every kernel it loads, as the virtual device does: the same audit, on a GPU."""
+
+    def __init__(self, real):
+        self._real = real
+        self.arch = real.get_current_target().arch
+        self.device_id = real.get_current_device()
+        self.utils = _RecordingUtils(real.utils, self)
+        self.loaded_by_handle: dict[int, Resources] = {}
+        self.driver_registers: dict[int, int] = {}
+        self.launches: list[Launch] = []
+        self._compiling: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def launcher_cls(self, src, metadata):
+        return _ForwardingLauncher(self, src, metadata)
+
+
+@contextlib.contextmanager
+def recording_device():
+    """Make the real device Triton's active driver, recorded, for the block."""
+    from triton.runtime.driver import driver
+
+    previous = driver._active
+    dev = RecordingDriver(driver.active)
+    driver.set_active(dev)
+    try:
+        yield dev
+    finally:
+        driver._active = previous
+
+
 @contextlib.contextmanager
 def virtual_device(target: VirtualTarget):
     """Make ``target`` Triton's active device for the block; the previous driver comes back.
@@ -295,7 +372,9 @@ __all__ = [
     "Resources",
     "VirtualDriver",
     "VirtualTarget",
+    "RecordingDriver",
     "cubin_resources",
     "kernel_resources",
+    "recording_device",
     "virtual_device",
 ]

@@ -24,7 +24,7 @@ from sglang.kernels.ops.attention.sm120_mma_splits import ENV_NAME  # noqa: E402
 
 SMALL_CASES = [
     Case(batch=1, heads=16, swa_topk=150),
-    Case(batch=3, heads=16, swa_topk=100, swa_page_size=256, sink=False),
+    Case(batch=3, heads=16, swa_topk=140, swa_page_size=256, sink=False),
     Case(batch=2, heads=64, swa_topk=45, extra_topk=77, extra_page_size=64, empty_row=True),
     Case(batch=2, heads=128, swa_topk=33, extra_topk=90, extra_page_size=128),
     Case(batch=2, heads=20, swa_topk=64, extra_topk=95, extra_page_size=32),
