@@ -42,6 +42,9 @@ DEFAULT_KIT = "build/gpu-kit"
 REHEARSE_VENV = "build/rehearse-venv"
 # The lent machine's versions (its image); the rehearsal installs the same.
 DEVICE_VERSIONS = {"python": "3.12", "torch": "2.11.0", "triton": "3.6.0"}
+# Triton 3.6's interpreter turns one-element arrays into Python ints (loop bounds), which NumPy
+# 2.5 refuses; the rehearsal pins a NumPy it works with.
+REHEARSE_NUMPY = "2.3.5"
 KIT_LIMIT_BYTES = 50 * 1024 * 1024
 DEFAULT_BUDGET_S = 480
 RUN_TIMEOUT_S = 560
@@ -64,8 +67,8 @@ def parse_args(argv):
         action="store_true",
         help=f"run the sequence on CPU under TRITON_INTERPRET=1 with tiny cases, in a Python "
         f"{DEVICE_VERSIONS['python']} venv with torch {DEVICE_VERSIONS['torch']} and triton "
-        f"{DEVICE_VERSIONS['triton']} ({REHEARSE_VENV}, created on first use); timing parts "
-        "are skipped",
+        f"{DEVICE_VERSIONS['triton']} ({REHEARSE_VENV}, created on first use, with numpy "
+        f"{REHEARSE_NUMPY}); timing parts are skipped",
     )
     mode.add_argument("--child", choices=("correctness", "bandwidth"), help=argparse.SUPPRESS)
     p.add_argument("--kit", type=Path, default=Path(DEFAULT_KIT), help="(default: %(default)s)")
@@ -420,13 +423,18 @@ def rehearsal_python(args) -> str:
             )
         print(f"gpu_session: creating {REHEARSE_VENV} with {base}", flush=True)
         subprocess.run([base, "-m", "venv", str(venv)], check=True)
-    pins = [f"torch=={DEVICE_VERSIONS['torch']}", f"triton=={DEVICE_VERSIONS['triton']}", "numpy"]
+    wanted = [DEVICE_VERSIONS["torch"], DEVICE_VERSIONS["triton"], REHEARSE_NUMPY]
+    pins = [f"{name}=={v}" for name, v in zip(("torch", "triton", "numpy"), wanted, strict=True)]
     have = subprocess.run(
-        [str(py), "-c", "import torch, triton; print(torch.__version__, triton.__version__)"],
+        [
+            str(py),
+            "-c",
+            "import torch, triton, numpy; "
+            "print(torch.__version__, triton.__version__, numpy.__version__)",
+        ],
         capture_output=True,
         text=True,
     ).stdout.split()
-    wanted = [DEVICE_VERSIONS["torch"], DEVICE_VERSIONS["triton"]]
     if [v.split("+")[0] for v in have] != wanted:
         print(f"gpu_session: installing {' '.join(pins)} (several GB the first time)", flush=True)
         subprocess.run([str(py), "-m", "pip", "install", *pins], check=True)
