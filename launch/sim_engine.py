@@ -629,10 +629,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     parser.add_argument("--disaggregation-transfer-backend", default="mooncake")
+    _refuse_what_sglang_refuses(parser, argv)
     args, ignored = parser.parse_known_args(argv)
     if args.max_running_requests < 1:
         parser.error("--max-running-requests must be >= 1")
     return args, ignored
+
+
+def _refuse_what_sglang_refuses(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """The sim takes sglang.launch_server's command line and, like it, refuses a flag sglang's
+    parser refuses (launch/pdlib/engine_args.py); the flags it does not model are ignored."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from launch.pdlib import engine_args
+
+    table = engine_args.option_table()
+    if table is None:
+        print("sim_engine: sglang is not installed; its flags are not checked", file=sys.stderr)
+        return
+    refused = engine_args.refusals(argv, table)
+    if refused:
+        parser.error("; ".join(message for _, message in refused))
 
 
 async def serve(args: argparse.Namespace, timing: Timing) -> None:

@@ -274,7 +274,37 @@ def check(env_dir: Path) -> tuple[list[str], list[str]]:
             error = knob_value_error(line.key, line.value)
             if error:
                 problems.append(f"{where}: {error}")
+    if not problems:
+        _check_engine_args(Path(env_dir), present, problems, notes)
     return problems, notes
+
+
+def _check_engine_args(env_dir: Path, present, problems: list[str], notes: list[str]) -> None:
+    """Each engine's full command line, parsed by the installed sglang's own parser."""
+    from . import engine_args
+
+    table = engine_args.option_table()
+    if table is None:
+        notes.append("engine flags not checked: sglang is not installed for this Python")
+        return
+    notes.append("engine command lines checked with sglang.launch_server's parser")
+    for role in ("prefill", "decode"):
+        values = {}
+        for lines in present:
+            if lines and lines[0].path.name in ("common.env", f"{role}.env"):
+                for line in lines:
+                    values[line.key] = (str(line.path), line.number, line.value)
+        try:
+            argv = engine_args.engine_argv(env_dir, role)
+        except engine_args.EngineArgsError as exc:
+            problems.append(f"launch/{role}.sh --dry-run: {exc}")
+            continue
+        for flag, message in engine_args.refusals(argv, table):
+            where = engine_args.origin(flag, role, values)
+            problems.append(
+                f"{where}: {flag or 'the command line'}: sglang.launch_server would refuse "
+                f"it in the {role} engine's command line ({message})"
+            )
 
 
 # --- diff, snapshots ------------------------------------------------------------------------

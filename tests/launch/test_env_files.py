@@ -138,3 +138,63 @@ def test_env_check_wants_the_decode_waiting_timeout_as_positive_whole_seconds(en
         fail = next(ln for ln in done.stdout.splitlines() if ln.startswith("FAIL"))
         assert f"SGLANG_DISAGGREGATION_WAITING_TIMEOUT={bad!r}" in fail
         assert "positive whole number of seconds" in fail
+
+
+def test_env_check_refuses_engine_flags_sglang_refuses_naming_file_variable_and_flag(env_dir):
+    # What a new user tried: a misspelled flag and a wrong transfer backend in DECODE_ARGS.
+    set_values(
+        env_dir / "decode.env",
+        DECODE_ARGS='"--mem-fraction-statc 0.85 --disaggregation-transfer-backend nixxl"',
+    )
+    done = env_check(env_dir)
+    assert done.returncode == 1, done.stdout
+    fails = [ln for ln in done.stdout.splitlines() if ln.startswith("FAIL")]
+    assert len(fails) == 2, done.stdout
+    statc, backend = sorted(fails, key=lambda ln: "statc" not in ln)
+    for line in fails:
+        assert "decode.env:" in line and "DECODE_ARGS" in line
+    assert "--mem-fraction-statc" in statc and "unrecognized arguments" in statc
+    assert "--disaggregation-transfer-backend" in backend and "'nixxl'" in backend
+
+
+def test_env_check_traces_a_refused_flag_to_the_variable_that_built_it(env_dir):
+    set_values(env_dir / "common.env", TRANSFER_BACKEND="nixxl")
+    done = env_check(env_dir)
+    assert done.returncode == 1
+    fails = [ln for ln in done.stdout.splitlines() if ln.startswith("FAIL")]
+    # Both engines get --disaggregation-transfer-backend from common.env's TRANSFER_BACKEND.
+    assert len(fails) == 2 and all("common.env:" in ln and "TRANSFER_BACKEND" in ln for ln in fails)
+    assert {"prefill", "decode"} == {
+        role for ln in fails for role in ("prefill", "decode") if f"the {role} engine" in ln
+    }
+
+
+def test_env_check_accepts_every_flag_sglang_accepts(env_dir):
+    set_values(
+        env_dir / "prefill.env",
+        PREFILL_ARGS='"--trust-remote-code --mem-fraction-static 0.8 --chunked-prefill-size 4096 '
+        '--disable-overlap-schedule --disaggregation-decode-retraction-backup cpu_tensor"',
+    )
+    done = env_check(env_dir)
+    assert done.returncode == 0, done.stdout
+
+
+def test_sim_engine_refuses_what_sglang_refuses():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launch" / "sim_engine.py"),
+            "--model-path",
+            "m",
+            "--mem-fraction-statc",
+            "0.85",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "unrecognized arguments: --mem-fraction-statc 0.85" in done.stderr
