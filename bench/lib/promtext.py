@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+from launch.pdlib.promtext import sample_sums
 
 RUNNING = "sglang:num_running_reqs"
 QUEUED = (
@@ -17,27 +17,9 @@ GEN_TOKENS = "sglang:generation_tokens_total"
 
 
 def parse(text: str) -> dict[str, float]:
-    """Sum of samples per metric name (label sets added together); comments skipped."""
-    totals: dict[str, float] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name = line[: line.index("{")]
-            rest = line[line.rindex("}") + 1 :].split()
-        else:
-            name, *rest = line.split()
-        if not rest:
-            continue
-        try:
-            value = float(rest[0])
-        except ValueError:
-            continue
-        if math.isnan(value):
-            continue
-        totals[name] = totals.get(name, 0.0) + value
-    return totals
+    """Sum of samples per metric name (label sets added together), with prometheus_client's
+    parser (launch/pdlib/promtext.py); ValueError for text that is not the format."""
+    return sample_sums(text)
 
 
 def load_of(metrics: dict[str, float]) -> dict[str, float | None]:

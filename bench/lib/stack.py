@@ -43,7 +43,8 @@ def add_stack_args(parser: argparse.ArgumentParser) -> None:
         "--env-dir",
         type=Path,
         help="read the URLs the options above leave unset from this env directory "
-        "(ROUTER_HOST/ROUTER_PORT, PREFILL_HOST/PREFILL_PORT, DECODE_HOST/DECODE_PORT)",
+        "(ROUTER_HOST/ROUTER_PORT, PREFILL_HOST/PREFILL_PORT, DECODE_HOST/DECODE_PORT) "
+        "(default: the repository's env/, as bench/ab)",
     )
 
 
@@ -67,8 +68,13 @@ def stack_from_env_dir(env_dir: Path) -> Stack:
     )
 
 
+DEFAULT_ENV_DIR = Path(__file__).resolve().parents[2] / "env"
+
+
 def stack_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Stack:
     base = Stack()
+    if args.env_dir is None and DEFAULT_ENV_DIR.is_dir():
+        args.env_dir = DEFAULT_ENV_DIR
     if args.env_dir is not None:
         if not args.env_dir.is_dir():
             parser.error(f"--env-dir {args.env_dir}: not a directory")

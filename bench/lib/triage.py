@@ -200,7 +200,8 @@ async def _engine_loads(
                     continue
                 try:
                     setattr(e, phase, promtext.load_of(await _read_metrics(session, e.url)))
-                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+                    # ValueError: /metrics answered with text that is not Prometheus's format.
                     e.ok, e.error = False, redact(f"{type(exc).__name__}: {exc}", api_key)
     return engines
 

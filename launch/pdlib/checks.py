@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import psutil
 
 from launch.pdlib.envfiles import REDACTED, is_secret
+from launch.pdlib.promtext import sample_sums
 from launch.pdlib.stack import ROOT, Role, Stack, from_root, http
 from launch.pdlib.supervise import port_owner
 
@@ -222,26 +223,14 @@ ENGINE_GAUGES = (
 )
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum of the samples of each metric name (labels folded together)."""
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, value = line.rpartition(" ")
-        name = name_part.split("{", 1)[0].strip()
-        try:
-            sums[name] = sums.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return sums
-
-
 def engine_load(stack: Stack, role: str) -> dict[str, float] | str:
     reply = http(stack.role(role).url + "/metrics", timeout=5.0)
     if reply.status != 200:
         return f"metrics unavailable ({reply.status or reply.error})"
-    return parse_prometheus(reply.body.decode(errors="replace"))
+    try:
+        return sample_sums(reply.body.decode(errors="replace"))
+    except ValueError as exc:
+        return f"metrics unreadable ({exc})"
 
 
 def metrics_lines(stack: Stack) -> list[tuple[bool, str]]:
@@ -259,7 +248,11 @@ def metrics_lines(stack: Stack) -> list[tuple[bool, str]]:
     if reply.status != 200:
         out.append((False, f"router: metrics unavailable ({reply.status or reply.error})"))
     else:
-        values = parse_prometheus(reply.body.decode(errors="replace"))
+        try:
+            values = sample_sums(reply.body.decode(errors="replace"))
+        except ValueError as exc:
+            out.append((False, f"router: metrics unreadable ({exc})"))
+            return out
         keys = sorted(
             k
             for k in values

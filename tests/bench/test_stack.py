@@ -62,3 +62,17 @@ def test_sim_stack_env_copy_is_in_launch_format_with_loopback_ports(tmp_path):
     assert router.startswith("--policy round_robin") and router.endswith(
         "--shutdown-grace-period-secs 1"
     )
+
+
+def test_tools_read_the_repository_env_dir_when_none_is_given():
+    import argparse
+
+    from bench.lib.stack import DEFAULT_ENV_DIR, add_stack_args, stack_from_args
+
+    parser = argparse.ArgumentParser()
+    add_stack_args(parser)
+    args = parser.parse_args([])
+    stack = stack_from_args(parser, args)
+    assert args.env_dir == DEFAULT_ENV_DIR
+    assert stack == stack_from_env_dir(DEFAULT_ENV_DIR)
+    assert stack.router_url and stack.prefill_url and stack.decode_url

@@ -86,3 +86,10 @@ def test_unreadable_metrics_are_inconclusive_not_a_guess():
 def test_idle_engines_with_failing_fresh_requests_are_inconclusive():
     v = decide(SLOW, _engines(_load(0, 0, 0), _load(0, 0, 0)), fast_s=2.0)
     assert v.verdict == INCONCLUSIVE
+
+
+def test_text_outside_the_prometheus_format_is_an_error_not_a_silent_zero():
+    import pytest
+
+    with pytest.raises(ValueError):
+        promtext.parse("sglang:num_running_reqs{tp_rank=0 not closed 3\n")
