@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.kernel_microbench import _int_list  # noqa: E402
+
 _KERNEL_PACKAGE = "sglang.kernels.ops.attention"
 # --targets name of the GPU this process runs on (its launches run for real, recorded).
 REAL_DEVICE = "cuda"
@@ -71,18 +73,6 @@ class Shape:
             f"H{self.heads} B{self.batch} {self.extra}"
             f"{' sink' if self.sink else ''}{' len' if self.lengths else ''}"
         )
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
 
 
 def _choice_list(choices):

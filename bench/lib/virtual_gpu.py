@@ -206,14 +206,16 @@ def kernel_resources(kernel, arch: int) -> Resources:
 
 
 class _RecordingLauncher:
-    def __init__(self, device: "VirtualDriver", src, metadata):
+    """Records each launch with the resources of the kernel it launches; runs nothing."""
+
+    def __init__(self, device, src, metadata):
         self._device = device
         self._variant = _variant(src)
         self._num_stages = metadata.num_stages
         device._compiling[metadata.name] = metadata.num_warps
 
     def __call__(self, grid_x, grid_y, grid_z, _stream, function, *_args):
-        res = self._device.loaded[function - 1]
+        res = self._device.resources_for(function)
         self._device.launches.append(
             Launch(res.name, (grid_x, grid_y, grid_z), res, self._variant, self._num_stages)
         )
@@ -236,6 +238,9 @@ class VirtualDriver(DriverBase):
 
     def launcher_cls(self, src, metadata):
         return _RecordingLauncher(self, src, metadata)
+
+    def resources_for(self, function: int) -> Resources:
+        return self.loaded[function - 1]
 
     @classmethod
     def is_active(cls):
@@ -296,19 +301,15 @@ class _RecordingUtils:
         return loaded
 
 
-class _ForwardingLauncher:
+class _ForwardingLauncher(_RecordingLauncher):
+    """Records each launch, then launches it on the real device."""
+
     def __init__(self, device: "RecordingDriver", src, metadata):
-        self._device = device
-        self._variant = _variant(src)
-        self._num_stages = metadata.num_stages
-        device._compiling[metadata.name] = metadata.num_warps
+        super().__init__(device, src, metadata)
         self._inner = device._real.launcher_cls(src, metadata)
 
     def __call__(self, grid_x, grid_y, grid_z, stream, function, *args):
-        res = self._device.loaded_by_handle[function]
-        self._device.launches.append(
-            Launch(res.name, (grid_x, grid_y, grid_z), res, self._variant, self._num_stages)
-        )
+        super().__call__(grid_x, grid_y, grid_z, stream, function, *args)
         return self._inner(grid_x, grid_y, grid_z, stream, function, *args)
 
 
@@ -331,6 +332,9 @@ class RecordingDriver:
 
     def launcher_cls(self, src, metadata):
         return _ForwardingLauncher(self, src, metadata)
+
+    def resources_for(self, function: int) -> Resources:
+        return self.loaded_by_handle[function]
 
 
 @contextlib.contextmanager
