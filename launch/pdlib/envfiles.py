@@ -186,6 +186,10 @@ UPSTREAM_CHECKED = {
 }
 # Launch settings whose form is fixed by the program they are passed to (smg takes whole
 # seconds); checked with the knobs so a bad one is refused before a launch too.
+# Variables upstream reads with os.getenv outside its env registry, so the registry check
+# would call them typos: SGLANG_USE_CPU_ENGINE (srt/utils/common.py is_cpu) and SGLANG_HOST_IP
+# (srt/utils/network.py, the address the PD bootstrap advertises).
+UPSTREAM_UNREGISTERED = {"SGLANG_USE_CPU_ENGINE", "SGLANG_HOST_IP"}
 LAUNCH_SETTINGS = {
     "ROUTER_SHUTDOWN_GRACE_S": "a whole number of seconds, or empty for smg's default",
 }
@@ -232,7 +236,8 @@ def registered_sglang_names() -> tuple[set[str], str]:
     except Exception as exc:  # noqa: BLE001 - any failure means "registry unavailable"
         return set(OUR_KNOBS), f"cannot read {path} ({exc}); only our knobs are known"
     names = {n for n in vars(environ.Envs) if n.startswith(("SGLANG_", "SGL_"))}
-    return names | set(OUR_KNOBS), f"registry of the installed sglang ({len(names)} names)"
+    known = names | set(OUR_KNOBS) | UPSTREAM_UNREGISTERED
+    return known, f"registry of the installed sglang ({len(names)} names)"
 
 
 def _close_names(name: str, known: set[str]) -> list[str]:
