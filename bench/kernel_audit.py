@@ -170,8 +170,10 @@ def parse_args(argv, targets):
             activate(args.kit)
         except (FileNotFoundError, RuntimeError) as err:
             p.error(f"--kit: {err}")
-    from sglang.kernels.ops.attention.sm120_mma_splits import parse_target_ctas
-
+    try:
+        from sglang.kernels.ops.attention.sm120_mma_splits import parse_target_ctas
+    except ImportError as err:
+        p.error(f"the patched sglang (or --kit DIR) is needed for the kernel: {err}")
     try:
         parse_target_ctas(args.target_ctas)
     except ValueError as err:
