@@ -23,6 +23,7 @@ USAGE
 
 parse_args() {
   local role="$1"
+  ROLE="$role"
   shift
   while (($#)); do
     case "$1" in
@@ -77,8 +78,32 @@ engine_command() {
   fi
   CMD+=(--model-path "$MODEL_PATH" --served-model-name "$SERVED_MODEL_NAME" --tp-size "$TP_SIZE")
   if [[ -n "${API_KEY:-}" ]]; then
-    CMD+=(--api-key "$API_KEY")
+    # Not --api-key: any local user reads a command line. sglang reads the key from a YAML
+    # --config file that only this user can read (YAML single quotes: ' doubles).
+    local config
+    config="$(secret_file "$ROLE.yaml")"
+    write_secret "$config" "api-key: '${API_KEY//\'/\'\'}'"
+    CMD+=(--config "$config")
   fi
+}
+
+# Where launch/pd keeps a role's secret file: PD_RUN_DIR/secrets (mode 0700), removed by `down`.
+secret_file() {
+  local run="${PD_RUN_DIR:-run}"
+  [[ "$run" == /* ]] || run="$PD_ROOT/$run"
+  printf '%s/secrets/%s\n' "$run" "$1"
+}
+
+# write_secret FILE CONTENT: mode 0600, written whole (temp file, then rename); not in --dry-run.
+write_secret() {
+  ((DRY_RUN)) && return 0
+  local dir tmp
+  dir="$(dirname "$1")"
+  tmp="$1.tmp.$$"
+  (
+    umask 077
+    mkdir -p "$dir" && chmod 700 "$dir" && printf '%s\n' "$2" >"$tmp" && mv -f "$tmp" "$1"
+  ) || { echo "launch: cannot write the secret file $1" >&2; exit 2; }
 }
 
 env_keys() {

@@ -4,6 +4,19 @@ set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
+# The Python interpreter of an smg console script (its #! line): smg_keyfile.py runs under it.
+smg_python() {
+  local line=""
+  [[ -f "$1" ]] && IFS= read -r line <"$1"
+  if [[ "$line" =~ ^\#!(/[^[:space:]]*python[^[:space:]]*)$ ]]; then
+    printf '%s\n' "${BASH_REMATCH[1]}"
+  else
+    echo "launch/router.sh: API_KEY is set, and SMG_BIN=$1 is not a Python console script;" \
+      "the key can only be kept off smg's command line through smg's Python entry point" >&2
+    exit 2
+  fi
+}
+
 main() {
   parse_args router "$@"
   load_env router
@@ -16,7 +29,13 @@ main() {
     --decode "http://$DECODE_HOST:$DECODE_PORT"
     --host "$ROUTER_HOST" --port "$ROUTER_PORT" --prometheus-port "$ROUTER_PROMETHEUS_PORT")
   if [[ -n "${API_KEY:-}" ]]; then
-    CMD+=(--api-key "$API_KEY")
+    # Not --api-key on smg's command line (any local user reads it): the key goes to a 0600 file
+    # and launch/smg_keyfile.py hands it to smg inside the process.
+    local keyfile python
+    python="$(smg_python "${CMD[0]}")"
+    keyfile="$(secret_file router.key)"
+    write_secret "$keyfile" "$API_KEY"
+    CMD=("$python" "$PD_ROOT/launch/smg_keyfile.py" --api-key-file "$keyfile" "${CMD[@]:1}")
   fi
   # Empty or unset: smg's own default applies. ROUTER_ARGS comes last, so a flag there wins.
   if [[ -n "${ROUTER_SHUTDOWN_GRACE_S:-}" ]]; then

@@ -48,7 +48,9 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import yaml
 from aiohttp import ClientSession, ClientTimeout, web
 
 SIM_VERSION = "0.5.23"
@@ -629,11 +631,37 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     parser.add_argument("--disaggregation-transfer-backend", default="mooncake")
+    argv = _with_config(parser, argv)
     _refuse_what_sglang_refuses(parser, argv)
     args, ignored = parser.parse_known_args(argv)
     if args.max_running_requests < 1:
         parser.error("--max-running-requests must be >= 1")
     return args, ignored
+
+
+def _with_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """sglang's `--config FILE`: a YAML mapping of options (launch/lib.sh passes the API key this
+    way), merged as sglang.srt.server_args.prepare_server_args does: the file's options first, so
+    the command line's own win."""
+    if "--config" not in argv:
+        return argv
+    at = argv.index("--config")
+    if at + 1 >= len(argv):
+        parser.error("argument --config: expected one argument")
+    try:
+        options = yaml.safe_load(Path(argv[at + 1]).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        parser.error(f"--config {argv[at + 1]}: {err}")
+    if not isinstance(options, dict):
+        parser.error(f"--config {argv[at + 1]}: must hold a mapping of options")
+    merged = []
+    for key, value in options.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            merged.append(flag)
+        elif value not in (False, None):
+            merged += [flag, str(value)]
+    return merged + argv[:at] + argv[at + 2 :]
 
 
 def _refuse_what_sglang_refuses(parser: argparse.ArgumentParser, argv: list[str]) -> None:

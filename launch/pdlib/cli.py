@@ -10,7 +10,7 @@ from pathlib import Path
 from launch.pdlib import checks, envfiles, systemd_units
 from launch.pdlib.envfiles import ROLES, EnvFileError, Redactor
 from launch.pdlib.stack import ROOT, load_stack
-from launch.pdlib.supervise import SuperviseError, supervisor_for
+from launch.pdlib.supervise import SuperviseError, remove_secret, supervisor_for
 
 DEFAULT_ENV_DIR = ROOT / "env"
 
@@ -62,7 +62,10 @@ def cmd_up(args) -> int:
 def cmd_down(args) -> int:
     stack, sup, out = _context(args)
     for name in reversed(_roles(args.roles)):
-        out(f"{name}: {sup.stop(stack.role(name)).detail}")
+        detail = sup.stop(stack.role(name)).detail
+        if remove_secret(stack.run_dir, name):
+            detail += "; its API key file removed"
+        out(f"{name}: {detail}")
     return 0
 
 

@@ -167,6 +167,7 @@ _FLAG_VARIABLES = {
     "--served-model-name": "SERVED_MODEL_NAME",
     "--tp-size": "TP_SIZE",
     "--api-key": "API_KEY",
+    "--config": "API_KEY",
     "--disaggregation-transfer-backend": "TRANSFER_BACKEND",
     "--disaggregation-bootstrap-port": "PREFILL_BOOTSTRAP_PORT",
 }

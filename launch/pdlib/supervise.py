@@ -104,11 +104,15 @@ class LocalSupervisor:
                 f"{role.name}: port {role.port} is already held by {describe_pid(owner)}; "
                 "not starting a second server"
             )
+        # Private: sglang writes its server_args, API key included, to the log at start-up.
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.chmod(0o700)
         cmd = [str(role.script), "--env-dir", str(self.env_dir)]
         if self.stack.sim:
             cmd.append("--sim")
-        log = self.log_file(role.name).open("ab")
+        fd = os.open(self.log_file(role.name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        log = os.fdopen(fd, "ab")
         log.write(
             f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} launch/pd starting {role.name}"
             f"{' (sim)' if self.stack.sim else ''}\n".encode()
@@ -315,6 +319,20 @@ class SystemdSupervisor:
         except (OSError, subprocess.TimeoutExpired) as exc:
             return [f"(journalctl failed: {exc})"]
         return (done.stdout or done.stderr).splitlines()[-lines:]
+
+
+# What launch/lib.sh writes for a role when API_KEY is set (0600, under PD_RUN_DIR/secrets).
+SECRET_FILES = {"prefill": "prefill.yaml", "decode": "decode.yaml", "router": "router.key"}
+
+
+def remove_secret(run_dir: Path, role: str) -> bool:
+    """Remove the role's secret file, once its process is down; True when there was one."""
+    path = Path(run_dir) / "secrets" / SECRET_FILES[role]
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def supervisor_for(stack: Stack, env_dir: Path):

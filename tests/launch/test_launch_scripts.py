@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shlex
 import subprocess
+import sys
 
 import pytest
 from launch_harness import ROOT, SECRET, set_values
@@ -86,14 +88,54 @@ def test_router_refuses_a_shutdown_grace_smg_would_reject(env_dir):
     assert "# command" not in done.stdout
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode", "router"])
-def test_dry_run_redacts_the_api_key(env_dir, role):
+@pytest.mark.parametrize(
+    "role, flag, name",
+    [
+        ("prefill", "--config", "prefill.yaml"),
+        ("decode", "--config", "decode.yaml"),
+        ("router", "--api-key-file", "router.key"),
+    ],
+)
+def test_the_api_key_goes_through_a_private_file_not_the_command_line(env_dir, role, flag, name):
     set_values(env_dir / "common.env", API_KEY=SECRET)
     done = dry_run(role, env_dir)
     assert done.returncode == 0, done.stderr
     assert SECRET not in done.stdout + done.stderr
-    assert "--api-key <redacted>" in command_of(done)
     assert "API_KEY=<redacted>" in done.stdout
+    words = shlex.split(command_of(done))
+    assert "--api-key" not in words
+    run_dir = env_dir.parent / "run"
+    assert words[words.index(flag) + 1] == str(run_dir / "secrets" / name)
+    if role == "router":
+        assert words[1] == str(ROOT / "launch" / "smg_keyfile.py")
+    # A dry run prints the command and writes nothing.
+    assert not (run_dir / "secrets").exists()
+
+
+def test_smg_keyfile_puts_the_key_after_the_subcommand_and_refuses_a_missing_file(tmp_path):
+    sys.path.insert(0, str(ROOT / "launch"))
+    from smg_keyfile import router_argv
+
+    key = tmp_path / "router.key"
+    key.write_text(SECRET + "\n")
+    argv = ["--api-key-file", str(key), "launch", "--port", "1"]
+    assert router_argv(argv) == ["launch", "--api-key", SECRET, "--port", "1"]
+    with pytest.raises(SystemExit, match="cannot read the API key file"):
+        router_argv(["--api-key-file", str(tmp_path / "absent"), "launch"])
+    key.write_text("\n")
+    with pytest.raises(SystemExit, match="is empty"):
+        router_argv(argv)
+
+
+def test_router_refuses_a_key_it_cannot_keep_off_a_non_python_smg(env_dir, tmp_path):
+    smg = tmp_path / "smg"
+    smg.write_text("\x7fELF")
+    set_values(env_dir / "common.env", API_KEY=SECRET)
+    set_values(env_dir / "router.env", SMG_BIN=str(smg))
+    done = dry_run("router", env_dir)
+    assert done.returncode == 2
+    assert "is not a Python console script" in done.stderr
+    assert SECRET not in done.stdout + done.stderr
 
 
 def test_unknown_argument_is_refused(env_dir):

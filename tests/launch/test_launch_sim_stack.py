@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -90,6 +91,10 @@ def test_verify_status_probe_metrics_report_a_healthy_stack_without_the_secret(s
         logs = sim_stack.pd("logs", role)
         assert logs.returncode == 0 and logs.stdout
         assert_no_secret(logs)
+    # The key reaches the sim (through sglang's --config) and smg (smg_keyfile.py) by files.
+    everyone = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
+    assert SECRET not in everyone.stdout
+    assert "--config" in psutil.Process(sim_stack.pid("decode")).cmdline()
 
 
 def test_verify_fails_when_a_knob_is_only_in_the_file(sim_stack: SimStack):
