@@ -1,19 +1,32 @@
-"""Real sglang engines on CPU through the normal launch path: env/cpu, patches 0006 and 0007.
+"""Real sglang engines on CPU through the normal launch path: env/cpu, patches 0006 to 0008.
 
 One real stack per module (prefill and decode are `python -m sglang.launch_server` from our
 patched wheel on the CPU, KV moving between them over NIXL on loopback, the real smg router in
-front), started with `launch/pd --env-dir COPY up` from a copy of env/cpu on free loopback ports.
+front), started with `launch/pd --env-dir COPY up` from a copy of env/cpu on free loopback ports,
+with an API key, small PD timeouts so the fault tests end in seconds, and UCX on TCP only. The
+router's retries are off in the copy: a retry would hide an engine's failure from the client,
+and these tests look at what the engines do. The tests run in file order: the fault tests come
+after the smoke tests, and the last ones restart and stop the stack.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import secrets
 import shutil
+import signal
+import stat
 import subprocess
 import sys
+import threading
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,9 +34,29 @@ PD = ROOT / "launch" / "pd"
 sys.path.insert(0, str(ROOT))
 
 from launch.pdlib import envfiles  # noqa: E402
+from launch.pdlib.promtext import sample_sums  # noqa: E402
 from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
 UP_TIMEOUT_S = 420
+# Seconds decode waits for a room's KV, and prefill for its KV sender, in the test copy.
+WAITING_TIMEOUT_S = 10
+INFLIGHT_TIMEOUT_S = 10
+# sglang's CPU engine flags, as env/cpu gives them, for the standalone engine.
+CPU_FLAGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--sampling-backend",
+    "pytorch",
+    "--max-total-tokens",
+    "16384",
+]
+GREEDY = {
+    "text": "hello world the quick brown fox",
+    "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+}
 
 
 def pd(env_dir: Path, *args: str, timeout: float = UP_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -36,12 +69,38 @@ def pd(env_dir: Path, *args: str, timeout: float = UP_TIMEOUT_S) -> subprocess.C
     )
 
 
-def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+class Stack:
+    def __init__(self, env_dir: Path, run_dir: Path, ports: dict[str, int], key: str):
+        self.env_dir = env_dir
+        self.run_dir = run_dir
+        self.key = key
+        self.url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+
+    def request(self, url: str, body: dict | None = None, timeout: float = 120.0):
+        headers = {"content-type": "application/json", "authorization": f"Bearer {self.key}"}
+        data = json.dumps(body).encode() if body is not None else None
+        return urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=timeout)
+
+    def post(self, path: str, body: dict, timeout: float = 120.0) -> dict:
+        with self.request(self.url["router"] + path, body, timeout) as resp:
+            return json.loads(resp.read())
+
+    def metrics(self, role: str) -> dict[str, float]:
+        with self.request(self.url[role] + "/metrics", timeout=30) as resp:
+            return sample_sums(resp.read().decode())
+
+    def pid(self, role: str) -> int:
+        return json.loads((self.run_dir / f"{role}.pid").read_text())["pid"]
+
+    def schedulers(self, role: str) -> list[psutil.Process]:
+        """The engine's scheduler process: it runs the batches and the KV transfers."""
+        found = [
+            p
+            for p in psutil.Process(self.pid(role)).children(recursive=True)
+            if p.name().startswith("sglang::schedul")
+        ]
+        assert found, f"no scheduler process under {role} pid {self.pid(role)}"
+        return found
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +116,7 @@ def cpu_stack(tmp_path_factory):
     env_dir = tmp / "env"
     shutil.copytree(ROOT / "env" / "cpu", env_dir)
     prefill, boot, decode, router, prom = free_loopback_ports(5)
+    key = "k" + secrets.token_hex(16)
     envfiles.set_values(
         env_dir / "common.env",
         {
@@ -66,7 +126,22 @@ def cpu_stack(tmp_path_factory):
             "ROUTER_PORT": str(router),
             "ROUTER_PROMETHEUS_PORT": str(prom),
             "PD_RUN_DIR": str(tmp / "run"),
+            "API_KEY": key,
+            # KV over TCP only (see the frozen-decode test).
+            "UCX_TLS": "tcp",
         },
+    )
+    envfiles.set_values(
+        env_dir / "decode.env", {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S)}
+    )
+    envfiles.set_values(
+        env_dir / "prefill.env",
+        {"SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT": str(INFLIGHT_TIMEOUT_S)},
+    )
+    router_args = {ln.key: ln.value for ln in envfiles.parse_file(env_dir / "router.env")}
+    envfiles.set_values(
+        env_dir / "router.env",
+        {"ROUTER_ARGS": envfiles.quote("--disable-retries " + router_args["ROUTER_ARGS"])},
     )
     up = pd(env_dir, "up")
     if up.returncode != 0:
@@ -76,19 +151,45 @@ def cpu_stack(tmp_path_factory):
         )
         pd(env_dir, "down", timeout=120)
         pytest.fail(f"launch/pd up failed:\n{up.stdout[-3000:]}{up.stderr[-2000:]}\n{logs}")
-    urls = {
-        "router": f"http://127.0.0.1:{router}",
-        "prefill": f"http://127.0.0.1:{prefill}",
-        "decode": f"http://127.0.0.1:{decode}",
-    }
-    yield env_dir, urls
+    ports = {"router": router, "prefill": prefill, "decode": decode}
+    yield Stack(env_dir, tmp / "run", ports, key)
     down = pd(env_dir, "down", timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr
 
 
+def test_the_api_key_is_on_no_command_line_and_in_private_files_only(cpu_stack):
+    everyone = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True)
+    assert everyone.returncode == 0
+    assert cpu_stack.key not in everyone.stdout
+    # The engines read it from sglang --config files, the router through smg_keyfile.py.
+    for role in ("prefill", "decode"):
+        argv = psutil.Process(cpu_stack.pid(role)).cmdline()
+        assert "--config" in argv and "--api-key" not in argv, argv
+    secrets_dir = cpu_stack.run_dir / "secrets"
+    assert stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700
+    assert sorted(p.name for p in secrets_dir.iterdir()) == [
+        "decode.yaml",
+        "prefill.yaml",
+        "router.key",
+    ]
+    for path in [*secrets_dir.iterdir(), *cpu_stack.run_dir.glob("*.log")]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    # sglang logs its server_args, the key among them: the run dir is the user's alone.
+    assert stat.S_IMODE(cpu_stack.run_dir.stat().st_mode) == 0o700
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(
+            urllib.request.Request(
+                cpu_stack.url["decode"] + "/generate",
+                json.dumps(GREEDY).encode(),
+                {"content-type": "application/json"},
+            ),
+            timeout=30,
+        )
+    assert refused.value.code == 401
+
+
 def test_verify_reads_the_real_engines_processes_and_manifest(cpu_stack):
-    env_dir, _ = cpu_stack
-    done = pd(env_dir, "verify", timeout=120)
+    done = pd(cpu_stack.env_dir, "verify", timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     for role in ("prefill", "decode"):
         assert f"ok   {role} SGLANG_USE_CPU_ENGINE=1 live in pid" in done.stdout
@@ -97,49 +198,30 @@ def test_verify_reads_the_real_engines_processes_and_manifest(cpu_stack):
 
 
 def test_probe_through_the_router(cpu_stack):
-    env_dir, _ = cpu_stack
-    done = pd(env_dir, "probe", timeout=180)
+    done = pd(cpu_stack.env_dir, "probe", timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def _counter(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    return envfiles_free_sum(text, name)
-
-
-def envfiles_free_sum(text: str, name: str) -> float:
-    from launch.pdlib.promtext import sample_sums
-
-    return sample_sums(text).get(name, 0.0)
-
-
 def test_a_request_is_prefilled_on_one_engine_and_decoded_on_the_other(cpu_stack):
-    _, urls = cpu_stack
-    body = {
-        "text": "hello world the quick brown fox",
-        "sampling_params": {"max_new_tokens": 12, "temperature": 0},
-    }
-    prompt_before = _counter(urls["prefill"], "sglang:prompt_tokens_total")
-    gen_before = _counter(urls["decode"], "sglang:generation_tokens_total")
-    first = _post(urls["router"] + "/generate", body)
-    second = _post(urls["router"] + "/generate", body)
+    prompt_before = cpu_stack.metrics("prefill").get("sglang:prompt_tokens_total", 0.0)
+    gen_before = cpu_stack.metrics("decode").get("sglang:generation_tokens_total", 0.0)
+    first = cpu_stack.post("/generate", GREEDY)
+    second = cpu_stack.post("/generate", GREEDY)
     assert len(first["output_ids"]) == 12
-    # Greedy: the same prompt gives the same tokens, KV moved over NIXL each time.
     assert first["output_ids"] == second["output_ids"]
-    assert _counter(urls["prefill"], "sglang:prompt_tokens_total") > prompt_before
-    assert _counter(urls["decode"], "sglang:generation_tokens_total") >= gen_before + 2 * 11
+    assert cpu_stack.metrics("prefill")["sglang:prompt_tokens_total"] > prompt_before
+    assert cpu_stack.metrics("decode")["sglang:generation_tokens_total"] >= gen_before + 2 * 11
 
 
 def test_multiround_4x6_through_the_router(cpu_stack):
-    env_dir, urls = cpu_stack
     done = subprocess.run(
         [
             sys.executable,
             str(ROOT / "bench" / "multiround"),
             "--url",
-            urls["router"],
+            cpu_stack.url["router"],
             "--env-dir",
-            str(env_dir),
+            str(cpu_stack.env_dir),
             "--sessions",
             "4",
             "--rounds",
@@ -160,9 +242,245 @@ def test_multiround_4x6_through_the_router(cpu_stack):
     assert "24/24 rounds ok" in done.stdout
 
 
-def test_co_restart_brings_the_real_stack_back(cpu_stack):
-    env_dir, _ = cpu_stack
-    done = pd(env_dir, "co-restart")
+# ---- process-level faults --------------------------------------------------------------------
+
+# What a role's /metrics reads when it holds no request and no KV.
+IDLE = {
+    "prefill": (
+        "sglang:num_prefill_bootstrap_queue_reqs",
+        "sglang:num_prefill_inflight_queue_reqs",
+        "sglang:num_running_reqs",
+        "sglang:num_used_tokens",
+        "sglang:token_usage",
+    ),
+    "decode": (
+        "sglang:num_decode_prealloc_queue_reqs",
+        "sglang:num_decode_transfer_queue_reqs",
+        "sglang:num_running_reqs",
+        "sglang:num_used_tokens",
+        "sglang:token_usage",
+    ),
+}
+FAILED = "sglang:num_transfer_failed_reqs_total"
+
+
+def _wait_idle(stack: Stack, role: str, timeout_s: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = stack.metrics(role)
+        busy = {name: values.get(name) for name in IDLE[role] if values.get(name) != 0.0}
+        if not busy or time.monotonic() > deadline:
+            assert not busy, f"{role} not back to idle after {timeout_s:g} s: {busy}"
+            return values
+        time.sleep(0.5)
+
+
+def _wait_for(condition, timeout_s: float, what: str, state=lambda: "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s {state()}"
+        time.sleep(0.2)
+
+
+class Call(threading.Thread):
+    """One request through the router, in the background; .status and .text once done."""
+
+    def __init__(self, stack: Stack, body: dict):
+        super().__init__(daemon=True)
+        self.stack, self.body = stack, body
+        self.status: int | None = None
+        self.text = ""
+        self.started = time.monotonic()
+        self.took = 0.0
+
+    def run(self):
+        try:
+            with self.stack.request(self.stack.url["router"] + "/generate", self.body) as resp:
+                self.status, self.text = resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            self.status, self.text = err.code, err.read().decode()
+        except OSError as err:
+            self.text = repr(err)
+        self.took = time.monotonic() - self.started
+
+
+def _suspend(procs: list[psutil.Process]) -> None:
+    for proc in procs:
+        proc.suspend()
+
+
+def _resume(procs: list[psutil.Process]) -> None:
+    for proc in procs:
+        try:
+            proc.resume()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _serves_a_fresh_request(stack: Stack) -> None:
+    assert len(stack.post("/generate", GREEDY)["output_ids"]) == 12
+
+
+def test_prefill_frozen_decode_fails_the_room_after_its_waiting_timeout(cpu_stack):
+    """Decode bootstraps the room and waits for KV that never comes (prefill's scheduler is
+    stopped): it fails the request after SGLANG_DISAGGREGATION_WAITING_TIMEOUT and frees it."""
+    failed_before = cpu_stack.metrics("decode").get(FAILED, 0.0)
+    prefill = cpu_stack.schedulers("prefill")
+    _suspend(prefill)
+    try:
+        call = Call(cpu_stack, GREEDY)
+        call.start()
+        call.join(WAITING_TIMEOUT_S + 40)
+        assert not call.is_alive(), "decode did not fail the request while prefill was frozen"
+        assert call.status == 500, (call.status, call.text)
+        waited = re.search(r"timed out after ([\d.]+)s in KVPoll.WaitingForInput", call.text)
+        assert waited, call.text
+        assert float(waited.group(1)) >= WAITING_TIMEOUT_S
+        decode = _wait_idle(cpu_stack, "decode")
+        assert decode[FAILED] >= failed_before + 1
+    finally:
+        _resume(prefill)
+    _wait_idle(cpu_stack, "prefill")
+    _serves_a_fresh_request(cpu_stack)
+
+
+def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(cpu_stack):
+    """Decode has bootstrapped the room, then stops (its scheduler, which drives its side of
+    the NIXL transfer): prefill's KV send never concludes, and patch 0003 fails the request
+    after SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT and frees its KV.
+
+    The copy's UCX_TLS=tcp is what makes this deterministic. With UCX's default transports
+    between two processes on one host, shared memory lets prefill write into a stopped decode:
+    in the full module, a 400-token room landed while decode was stopped, and the request was
+    served once decode resumed. Over TCP a put completes only on the peer's ack, so a stopped
+    decode is an unreachable one, as across hosts."""
+    failed_before = cpu_stack.metrics("prefill").get(FAILED, 0.0)
+    bootstrapped = cpu_stack.metrics("decode").get("sglang:kv_transfer_bootstrap_ms_count", 0.0)
+    prefill, decode = cpu_stack.schedulers("prefill"), cpu_stack.schedulers("decode")
+    # Prefill held first, so that the room cannot be served before decode stops.
+    _suspend(prefill)
+    try:
+        call = Call(cpu_stack, GREEDY)
+        call.start()
+        _wait_for(
+            lambda: (
+                cpu_stack.metrics("decode").get("sglang:kv_transfer_bootstrap_ms_count", 0)
+                > bootstrapped
+            ),
+            30,
+            "decode bootstrapping the room",
+        )
+        # Counted right after decode's send_metadata; a moment for its socket to carry it.
+        time.sleep(1.0)
+        _suspend(decode)
+        _resume(prefill)
+        held = time.monotonic()
+        _wait_for(
+            lambda: cpu_stack.metrics("prefill").get("sglang:num_prefill_inflight_queue_reqs") == 1,
+            INFLIGHT_TIMEOUT_S,
+            "prefill computing the room and sending its KV",
+            lambda: {k: v for k, v in cpu_stack.metrics("prefill").items() if "queue" in k},
+        )
+        _wait_for(
+            lambda: cpu_stack.metrics("prefill").get(FAILED, 0.0) > failed_before,
+            INFLIGHT_TIMEOUT_S + 30,
+            "prefill failing the request",
+        )
+        assert time.monotonic() - held >= INFLIGHT_TIMEOUT_S - 1
+        _wait_idle(cpu_stack, "prefill")
+    finally:
+        _resume(prefill)
+        _resume(decode)
+    call.join(60)
+    assert call.status == 500, (call.status, call.text)
+    assert f"SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT={INFLIGHT_TIMEOUT_S}" in call.text, call.text
+    _wait_idle(cpu_stack, "decode")
+    _serves_a_fresh_request(cpu_stack)
+
+
+def test_decode_killed_mid_stream_the_client_sees_an_error_and_co_restart_recovers(cpu_stack):
+    body = {
+        "text": "hello world",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True},
+    }
+    events = []
+    with cpu_stack.request(cpu_stack.url["router"] + "/generate", body, timeout=60) as resp:
+        assert resp.status == 200
+        deadline = time.monotonic() + 60
+        for line in resp:
+            if line.strip():
+                events.append(line.decode().strip())
+            if len(events) == 10:
+                os.killpg(cpu_stack.pid("decode"), signal.SIGKILL)
+            assert time.monotonic() < deadline, "the stream went on after decode was killed"
+    after = events[10:]
+    assert any('"error"' in e for e in after), after[-3:]
+    assert not any('"finish_reason"' in e and '"length"' in e for e in after), after[-3:]
+    _wait_idle(cpu_stack, "prefill")
+    done = pd(cpu_stack.env_dir, "co-restart")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    probe = pd(env_dir, "probe", timeout=180)
+    probe = pd(cpu_stack.env_dir, "probe", timeout=180)
     assert probe.returncode == 0, probe.stdout + probe.stderr
+    _serves_a_fresh_request(cpu_stack)
+
+
+# ---- PD against a standalone engine, and down ------------------------------------------------
+
+
+def test_greedy_output_through_pd_equals_a_standalone_engine(cpu_stack, tmp_path):
+    """Same model, same CPU kernels, no disaggregation: the same greedy tokens show that the KV
+    decode used is the KV prefill computed, moved intact."""
+    through_pd = cpu_stack.post("/generate", GREEDY)["output_ids"]
+    (port,) = free_loopback_ports(1)
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="0")
+    log = (tmp_path / "standalone.log").open("wb")
+    server = subprocess.Popen(
+        [
+            str(ROOT / ".venv" / "bin" / "python"),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(ROOT / "build" / "tiny-llama"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--skip-server-warmup",
+            *CPU_FLAGS,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            assert server.poll() is None, (tmp_path / "standalone.log").read_text()[-3000:]
+            try:
+                return urllib.request.urlopen(url + "/health", timeout=5).status == 200
+            except OSError:
+                return False
+
+        _wait_for(healthy, 300, "the standalone engine answering /health")
+        request = urllib.request.Request(
+            url + "/generate", json.dumps(GREEDY).encode(), {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            standalone = json.loads(resp.read())["output_ids"]
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(30)
+        log.close()
+    assert through_pd == standalone
+
+
+def test_down_stops_everything_and_removes_the_key_files(cpu_stack):
+    done = pd(cpu_stack.env_dir, "down", timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("its API key file removed") == 3, done.stdout
+    assert list((cpu_stack.run_dir / "secrets").iterdir()) == []
+    assert cpu_stack.key not in done.stdout + done.stderr
