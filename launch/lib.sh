@@ -7,14 +7,16 @@ PD_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ENV_DIR="$PD_ROOT/env"
 SIM=0
 DRY_RUN=0
+INSTANCE=""
 
 usage() {
   cat <<USAGE
-usage: launch/$1.sh [--env-dir DIR] [--sim] [--dry-run]
+usage: launch/$1.sh [--env-dir DIR] [--instance N] [--sim] [--dry-run]
 
 Start the $1 role from DIR/common.env and DIR/$1.env (default DIR: env/), replacing this shell
 with the server process.
   --env-dir DIR  directory holding common.env, prefill.env, decode.env, router.env
+  --instance N   engines only: read DIR/$1.N.env last (instance N of several; default: none)
   --sim          start the simulated engine (launch/sim_engine.py) instead of sglang;
                  the router is the real smg either way
   --dry-run      print the command and the environment taken from the env files, start nothing
@@ -31,6 +33,14 @@ parse_args() {
         ENV_DIR="$2"
         shift 2
         ;;
+      --instance)
+        [[ $# -ge 2 && "$2" =~ ^[1-9][0-9]*$ && "$role" != router ]] || {
+          echo "launch/$role.sh: --instance needs a number N (DIR/$role.N.env), engines only" >&2
+          exit 2
+        }
+        INSTANCE="$2"
+        shift 2
+        ;;
       --sim) SIM=1; shift ;;
       --dry-run) DRY_RUN=1; shift ;;
       -h | --help) usage "$role"; exit 0 ;;
@@ -39,17 +49,32 @@ parse_args() {
   done
 }
 
+# The files a role reads, in order: common, the role's, and the instance's when --instance N.
+env_files() {
+  local role="$1"
+  ENV_FILES=("$ENV_DIR/common.env" "$ENV_DIR/$role.env")
+  if [[ -n "$INSTANCE" ]]; then
+    ENV_FILES+=("$ENV_DIR/$role.$INSTANCE.env")
+  fi
+}
+
 load_env() {
   local role="$1" file
-  for file in "$ENV_DIR/common.env" "$ENV_DIR/$role.env"; do
+  env_files "$role"
+  for file in "${ENV_FILES[@]}"; do
     [[ -f "$file" ]] || { echo "launch/$role.sh: missing env file $file" >&2; exit 2; }
   done
   set -a
-  # shellcheck disable=SC1090,SC1091
-  . "$ENV_DIR/common.env"
-  # shellcheck disable=SC1090,SC1091
-  . "$ENV_DIR/$role.env"
+  for file in "${ENV_FILES[@]}"; do
+    # shellcheck disable=SC1090,SC1091
+    . "$file"
+  done
   set +a
+}
+
+# True when DIR holds instance files (prefill.N.env, decode.N.env): several engines.
+has_instance_files() {
+  compgen -G "$ENV_DIR/prefill.[1-9]*.env" >/dev/null || compgen -G "$ENV_DIR/decode.[1-9]*.env" >/dev/null
 }
 
 require() {
@@ -57,6 +82,14 @@ require() {
   for name in "$@"; do
     [[ -n "${!name:-}" ]] || { echo "launch: $name is not set in $ENV_DIR" >&2; exit 2; }
   done
+}
+
+# A path from the env files: absolute as given, else under the repository root.
+root_path() {
+  case "$1" in
+    /*) printf '%s\n' "$1" ;;
+    *) printf '%s\n' "$PD_ROOT/$1" ;;
+  esac
 }
 
 from_root() {
@@ -90,16 +123,16 @@ is_secret_name() {
 }
 
 print_dry_run() {
-  local role="$1" key word previous=""
+  local key word previous=""
   shift
-  echo "# environment from $ENV_DIR/common.env and $ENV_DIR/$role.env"
+  echo "# environment from ${ENV_FILES[*]}"
   while read -r key; do
     if is_secret_name "$key" && [[ -n "${!key}" ]]; then
       printf '%s=<redacted>\n' "$key"
     else
       printf '%s=%s\n' "$key" "${!key}"
     fi
-  done < <(env_keys "$ENV_DIR/common.env" "$ENV_DIR/$role.env")
+  done < <(env_keys "${ENV_FILES[@]}")
   echo "# command"
   for word in "$@"; do
     if [[ "$previous" == --api-key ]]; then
