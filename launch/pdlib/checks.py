@@ -264,6 +264,8 @@ def metrics_lines(stack: Stack) -> list[tuple[bool, str]]:
             continue
         shown = [f"{g.split(':', 1)[1]}={values[g]:g}" for g in ENGINE_GAUGES if g in values]
         out.append((True, f"{role.name}: " + " ".join(shown)))
+    if "router" not in stack.roles:
+        return out
     router = stack.role("router")
     port = stack.env.role_env("router").get("ROUTER_PROMETHEUS_PORT", "")
     reply = http(f"http://{router.host}:{port}/metrics", timeout=5.0)

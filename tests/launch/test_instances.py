@@ -1,0 +1,244 @@
+"""Several prefill and decode instances (2P2D) behind the real smg, which takes its workers
+from the discovery file pd writes; rolling-restart under load. Simulated engines, loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+from launch_harness import (
+    PD,
+    ROOT,
+    SECRET,
+    SimStack,
+    kill_all,
+    make_env_dir,
+    run_pd,
+    set_values,
+)
+
+from bench.lib.restart_load import restart_under_load
+from launch.pdlib.envfiles import EnvDir
+from launch.pdlib.stack import free_loopback_ports
+
+
+def add_instances(env: Path, prefills: int, decodes: int, **overrides: dict[str, str]) -> None:
+    """ROLE.N.env files on free loopback ports; overrides["decode_2"] adds lines to decode.2.env."""
+    ports = iter(free_loopback_ports(2 * prefills + decodes))
+    for role, count in (("prefill", prefills), ("decode", decodes)):
+        for n in range(1, count + 1):
+            lines = [f"# {role} instance {n}", f"{role.upper()}_PORT={next(ports)}"]
+            if role == "prefill":
+                lines.append(f"PREFILL_BOOTSTRAP_PORT={next(ports)}")
+            lines.append(f"CUDA_VISIBLE_DEVICES={2 * n - 2},{2 * n - 1}")
+            lines += [f"{k}={v}" for k, v in overrides.get(f"{role}_{n}", {}).items()]
+            (env / f"{role}.{n}.env").write_text("\n".join(lines) + "\n")
+
+
+def router_workers(stack: SimStack) -> dict[str, dict]:
+    req = urllib.request.Request(
+        stack.url("router") + "/workers", headers={"Authorization": f"Bearer {SECRET}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        workers = json.loads(resp.read())["workers"]
+    return {w["labels"]["smg.ai/discovery-id"]: w for w in workers}
+
+
+def listed(stack: SimStack) -> list[str]:
+    return [
+        w["id"] for w in json.loads((stack.run_dir / "router-workers.json").read_text())["workers"]
+    ]
+
+
+class InstanceStack(SimStack):
+    def __init__(self, tmp: Path, **overrides: dict[str, str]):
+        super().__init__(tmp)
+        add_instances(self.env, 2, 2, **overrides)
+        set_values(self.env / "common.env", PD_POLL_INTERVAL_S="0.25")
+
+    def url_of(self, name: str) -> str:
+        kind, n = name.split("/")
+        port = EnvDir(self.env).role_env(kind, int(n))[f"{kind.upper()}_PORT"]
+        return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def stack_2p2d(tmp_path_factory):
+    stack = InstanceStack(tmp_path_factory.mktemp("2p2d"))
+    try:
+        up = stack.pd("up", timeout=240)
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield stack
+    finally:
+        stack.pd("down", timeout=120)
+        kill_all(stack.env, stack.run_dir)
+
+
+def test_2p2d_up_routes_every_instance_verifies_probes(stack_2p2d: InstanceStack):
+    assert sorted(listed(stack_2p2d)) == ["decode/1", "decode/2", "prefill/1", "prefill/2"]
+    workers = router_workers(stack_2p2d)
+    assert sorted(workers) == ["decode/1", "decode/2", "prefill/1", "prefill/2"]
+    assert all(w["is_healthy"] for w in workers.values())
+    for n in range(1, 3):
+        assert (stack_2p2d.run_dir / f"decode-{n}.pid").is_file()
+
+    verify = stack_2p2d.pd("verify")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    for name, knob in (
+        ("decode/1", "CUDA_VISIBLE_DEVICES=0,1"),
+        ("decode/2", "CUDA_VISIBLE_DEVICES=2,3"),
+    ):
+        assert f"ok   {name} {knob} live in pid" in verify.stdout
+    assert "ok   prefill/2 SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT=60 live in pid" in verify.stdout
+    assert "skip" not in verify.stdout
+
+    for _ in range(2):
+        probe = stack_2p2d.pd("probe")
+        assert probe.returncode == 0, probe.stdout + probe.stderr
+    assert "decode/1 load when sent:" in probe.stdout and "decode/2 load when sent:" in probe.stdout
+    served = [
+        len(json.loads(urllib.request.urlopen(stack_2p2d.url_of(name) + "/sim/requests").read()))
+        for name in ("decode/1", "decode/2")
+    ]
+    assert all(n >= 1 for n in served), served
+
+    status = stack_2p2d.pd("status", "decode/2")
+    assert (
+        status.returncode == 0 and "decode/2" in status.stdout and "decode/1" not in status.stdout
+    )
+    metrics = stack_2p2d.pd("metrics", "prefill")
+    assert "prefill/1: num_running_reqs=" in metrics.stdout and "decode" not in metrics.stdout
+    assert SECRET not in verify.stdout + probe.stdout + status.stdout + metrics.stdout
+
+
+def test_instances_of_another_host_are_reported_not_checked_nor_touched(stack_2p2d):
+    other = {"PD_HOST": "gpu-b.example"}
+    verify = run_pd(
+        "verify", "--env-dir", str(stack_2p2d.env), "--sim", env_extra=stack_2p2d.extra | other
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    skipped = [ln for ln in verify.stdout.splitlines() if ln.startswith("skip")]
+    assert len(skipped) == 4
+    assert all("a remote /proc cannot be read from here" in ln for ln in skipped)
+    assert "4 not checked from this host" in verify.stdout
+    pid = stack_2p2d.pid("decode-1")
+    down = run_pd("down", "decode", "--env-dir", str(stack_2p2d.env), "--sim", env_extra=other)
+    assert "decode/1: on 127.0.0.1, not this host (PD_HOST=gpu-b.example); skipped" in down.stdout
+    assert stack_2p2d.pid("decode-1") == pid
+    assert router_workers(stack_2p2d).keys() == {"decode/1", "decode/2", "prefill/1", "prefill/2"}
+
+
+def test_rolling_restart_of_both_decodes_under_c16_load_fails_no_request(stack_2p2d):
+    set_values(stack_2p2d.env / "decode.env", SGLANG_SM120_MMA_TARGET_CTAS="256")
+    old = {n: stack_2p2d.pid(f"decode-{n}") for n in (1, 2)}
+    command = [str(PD), "rolling-restart", "decode", "--env-dir", str(stack_2p2d.env), "--sim"]
+    result = asyncio.run(
+        restart_under_load(
+            stack_2p2d.url("router"), command, 16, SECRET, max_requests=5000, request_timeout_s=60
+        )
+    )
+    assert result.returncode == 0, result.output
+    assert result.sent >= 16 and result.failed == 0, result.summary()
+    for n in (1, 2):
+        assert f"ok   decode/{n} SGLANG_SM120_MMA_TARGET_CTAS=256 live in pid" in result.output
+        assert f"the router routes to decode/{n} again" in result.output
+        assert stack_2p2d.pid(f"decode-{n}") != old[n]
+    assert result.output.index("decode/1 1/2") < result.output.index("decode/2 2/2")
+    verify = stack_2p2d.pd("verify", "decode")
+    assert verify.returncode == 0 and verify.stdout.count("TARGET_CTAS=256 live in pid") == 2
+
+
+def test_rolling_restart_refuses_a_role_with_one_instance(env_dir):
+    done = run_pd("rolling-restart", "decode", "--env-dir", str(env_dir))
+    assert done.returncode == 2
+    assert "decode has a single instance" in done.stderr and "co-restart" in done.stderr
+
+
+def test_rolling_restart_stops_at_an_instance_that_never_gets_healthy(tmp_path):
+    stack = InstanceStack(tmp_path)
+    try:
+        up = stack.pd("up", timeout=240)
+        assert up.returncode == 0, up.stdout + up.stderr
+        # From now on decode/2 starts but never answers /health with 200.
+        set_values(stack.env / "decode.2.env", PD_SIM_STARTUP_S="3600")
+        old_first = stack.pid("decode-1")
+        done = run_pd(
+            "rolling-restart",
+            "decode",
+            "--env-dir",
+            str(stack.env),
+            "--sim",
+            "--timeout",
+            "10",
+            env_extra=stack.extra,
+            timeout=240,
+        )
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "the router routes to decode/1 again" in done.stdout
+        assert stack.pid("decode-1") != old_first
+        assert "rolling-restart stopped at decode/2" in done.stderr
+        assert "decode/2 is OUT of rotation" in done.stderr
+        assert "decode/2" not in listed(stack) and "decode/1" in listed(stack)
+        workers = router_workers(stack)
+        assert "decode/2" not in workers and workers["decode/1"]["is_healthy"]
+        probe = stack.pd("probe")
+        assert probe.returncode == 0, probe.stdout + probe.stderr
+    finally:
+        stack.pd("down", timeout=120)
+        kill_all(stack.env, stack.run_dir)
+
+
+@pytest.mark.parametrize(
+    ("instance_file", "line", "expected", "named_file"),
+    [
+        (
+            "decode.2.env",
+            "DECODE_PORT={prefill_port}",
+            "is already prefill/1's PREFILL_PORT",
+            "decode.2.env",
+        ),
+        (
+            "decode.2.env",
+            "DECODE_HOST=gpu-b.invalid",
+            "host 'gpu-b.invalid' of decode/2 does not resolve",
+            "decode.2.env",
+        ),
+        (
+            "decode.2.env",
+            "DECODE_HOST=10.0.0.2",
+            "prefill/1 listens on loopback 127.0.0.1, so decode/2 on 10.0.0.2 cannot reach",
+            "common.env",
+        ),
+    ],
+)
+def test_env_check_refuses_a_bad_topology_naming_file_and_variable(
+    tmp_path, instance_file, line, expected, named_file
+):
+    env = make_env_dir(tmp_path)
+    add_instances(env, 2, 2)
+    prefill_port = (env / "prefill.1.env").read_text().split("PREFILL_PORT=")[1].split()[0]
+    key, value = line.format(prefill_port=prefill_port).split("=")
+    set_values(env / instance_file, **{key: value})
+    done = run_pd("env", "check", "--env-dir", str(env))
+    assert done.returncode == 1, done.stdout
+    problem = next(ln for ln in done.stdout.splitlines() if expected in ln)
+    assert problem.startswith(f"FAIL {env / named_file}:")
+
+
+def test_units_render_one_unit_per_instance(tmp_path):
+    env = make_env_dir(tmp_path)
+    add_instances(env, 2, 2)
+    out = tmp_path / "units"
+    done = run_pd("units", "--out", str(out), "--env-dir", str(env))
+    assert done.returncode == 0, done.stderr
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [
+        f"sm120pd-{k}.service" for k in ("decode-1", "decode-2", "prefill-1", "prefill-2", "router")
+    ]
+    unit = (out / "sm120pd-decode-2.service").read_text()
+    assert f"ExecStart={ROOT}/launch/decode.sh --env-dir {env.resolve()} --instance 2\n" in unit
+    assert f"EnvironmentFile={env.resolve()}/decode.2.env" in unit
+    assert "After=network-online.target sm120pd-prefill-1.service sm120pd-prefill-2.service" in unit
