@@ -71,6 +71,22 @@ def _started(stack: Stack, role: Role, out) -> None:
         out(f"{role.name}: back in the router's worker list ({stack.workers_file})")
 
 
+def _routes_to_all(stack: Stack, router: Role, out) -> bool:
+    """With several instances the router is ready once it has one prefill and one decode;
+    wait until it routes to every instance on its worker list."""
+    if not stack.several:
+        return True
+    started = time.time()
+    for name in rotation.listed(stack):
+        left = max(0.0, router.health_timeout_s - (time.time() - started))
+        waited = rotation.wait_router(stack, stack.role(name), True, left)
+        if not waited.ok:
+            out(f"router: {waited.detail}", err=True)
+            return False
+    out(f"router: routes to every listed instance after {time.time() - started:.1f} s")
+    return True
+
+
 def cmd_up(args) -> int:
     stack, sup, out = _context(args)
     for role in _here(stack, stack.select(args.roles), out):
@@ -90,6 +106,8 @@ def cmd_up(args) -> int:
         out(f"{role.name}: healthy ({role.health_url})")
         if role.kind != "router":
             _started(stack, role, out)
+        elif not _routes_to_all(stack, role, out):
+            return 1
     return 0
 
 
@@ -175,7 +193,10 @@ def cmd_co_restart(args) -> int:
     for role in _here(stack, stack.select(args.roles), out):
         if role.kind == "router":
             _started(stack, role, out)
-        if _restart_healthy(stack, sup, role, out, args.log_lines, role.name) is None:
+        healthy = _restart_healthy(stack, sup, role, out, args.log_lines, role.name) is not None
+        if healthy and role.kind == "router":
+            healthy = _routes_to_all(stack, role, out)
+        if not healthy:
             out(f"co-restart stopped at {role.name}; instances after it were not touched", err=True)
             return 1
         if role.kind != "router":
