@@ -31,6 +31,8 @@ class RestartUnderLoad:
     sent: int
     failed: int
     errors: list[str]
+    # From the first failed request's start to the last one's end: how long clients saw errors.
+    failing_s: float
 
     def summary(self) -> dict:
         return {
@@ -39,6 +41,7 @@ class RestartUnderLoad:
             "command_s": round(self.command_s, 2),
             "requests": self.sent,
             "failed": self.failed,
+            "failing_s": round(self.failing_s, 2),
             "first_errors": self.errors[:5],
         }
 
@@ -81,6 +84,11 @@ async def restart_under_load(
         sent=len(outputs),
         failed=len(failed),
         errors=[o.error for o in failed],
+        failing_s=(
+            max(o.start_time + o.latency_s for o in failed) - min(o.start_time for o in failed)
+            if failed
+            else 0.0
+        ),
     )
 
 
