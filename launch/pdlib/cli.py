@@ -90,12 +90,12 @@ def _routes_to_all(stack: Stack, router: Role, out) -> bool:
 def cmd_up(args) -> int:
     stack, sup, out = _context(args)
     for role in _here(stack, stack.select(args.roles), out):
-        if role.kind == "router":
-            _started(stack, role, out)
         state = sup.state(role.key)
         if state.running:
             out(f"{role.name}: already {state.detail}")
         else:
+            if role.kind == "router":
+                _started(stack, role, out)
             out(f"{role.name}: {sup.start(role).detail}")
         if args.no_wait:
             continue
@@ -142,12 +142,18 @@ def cmd_restart(args) -> int:
     if not _here(stack, [role], out):
         return 1
     started = time.time()
+    if role.kind == "router":
+        _started(stack, role, out)
     out(f"{role.name}: {sup.restart(role).detail}")
     health = checks.wait_healthy(stack, role, sup.alive, started)
     if not health.ok:
         _show_failure(out, sup, role, health.detail, args.log_lines)
         return 1
     out(f"{role.name}: healthy after {health.seconds:.1f} s")
+    if role.kind != "router":
+        _started(stack, role, out)
+    elif not _routes_to_all(stack, role, out):
+        return 1
     return 0
 
 
