@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -242,3 +245,103 @@ def test_units_render_one_unit_per_instance(tmp_path):
     assert f"ExecStart={ROOT}/launch/decode.sh --env-dir {env.resolve()} --instance 2\n" in unit
     assert f"EnvironmentFile={env.resolve()}/decode.2.env" in unit
     assert "After=network-online.target sm120pd-prefill-1.service sm120pd-prefill-2.service" in unit
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: host A 10.231.0.1, host B 10.231.0.2."""
+    tag = f"pd{os.getpid() % 100000}"
+    names = {"a": f"{tag}a", "b": f"{tag}b"}
+    made = _ip("netns", "add", names["a"])
+    if made.returncode != 0:
+        pytest.skip(f"`ip netns add` is not permitted here ({made.stderr.strip()}); needs root")
+    try:
+        _ip("netns", "add", names["b"])
+        steps = [
+            ("link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb"),
+            ("link", "set", f"{tag}va", "netns", names["a"]),
+            ("link", "set", f"{tag}vb", "netns", names["b"]),
+        ]
+        for host, address in (("a", "10.231.0.1"), ("b", "10.231.0.2")):
+            ns = ("-n", names[host])
+            steps += [
+                (*ns, "addr", "add", f"{address}/24", "dev", f"{tag}v{host}"),
+                (*ns, "link", "set", f"{tag}v{host}", "up"),
+                (*ns, "link", "set", "lo", "up"),
+            ]
+        for step in steps:
+            done = _ip(*step)
+            assert done.returncode == 0, f"ip {' '.join(step)}: {done.stderr}"
+        yield names
+    finally:
+        for ns in names.values():
+            _ip("netns", "del", ns)
+
+
+def test_2p2d_over_two_hosts_in_network_namespaces(tmp_path, two_hosts):
+    stack = InstanceStack(tmp_path)
+    hosts = {"a": "10.231.0.1", "b": "10.231.0.2"}
+    for role, n, host in (
+        ("prefill", 1, "a"),
+        ("decode", 1, "a"),
+        ("prefill", 2, "b"),
+        ("decode", 2, "b"),
+    ):
+        set_values(stack.env / f"{role}.{n}.env", **{f"{role.upper()}_HOST": hosts[host]})
+    set_values(stack.env / "common.env", ROUTER_HOST=hosts["a"])
+
+    def pd_on(host: str, *args: str, timeout: float = 240.0):
+        extra = stack.extra | {"PD_HOST": hosts[host]}
+        command = ["ip", "netns", "exec", two_hosts[host], str(PD), *args]
+        env = dict(os.environ) | extra
+        return subprocess.run(
+            [*command, "--env-dir", str(stack.env), "--sim"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+
+    try:
+        up_b = pd_on("b", "up")
+        assert up_b.returncode == 0, up_b.stdout + up_b.stderr
+        assert "router: on 10.231.0.1, not this host (PD_HOST=10.231.0.2); skipped" in up_b.stdout
+        up_a = pd_on("a", "up")
+        assert up_a.returncode == 0, up_a.stdout + up_a.stderr
+        assert "router: routes to every listed instance" in up_a.stdout
+        for host, here, there in (("a", "1", "2"), ("b", "2", "1")):
+            verify = pd_on(host, "verify")
+            assert verify.returncode == 0, verify.stdout + verify.stderr
+            assert (
+                f"ok   decode/{here} SGLANG_SM120_MMA_TARGET_CTAS=512 live in pid" in verify.stdout
+            )
+            skipped = [ln for ln in verify.stdout.splitlines() if ln.startswith("skip")]
+            assert len(skipped) == 2 and all(f"/{there}:" in ln for ln in skipped), skipped
+        for _ in range(4):
+            probe = pd_on("a", "probe")
+            assert probe.returncode == 0, probe.stdout + probe.stderr
+        metrics = pd_on("a", "metrics", "decode/2")
+        assert metrics.returncode == 0 and "decode/2: num_running_reqs=" in metrics.stdout
+        # Round robin over both decodes: each served some of the probes, decode/2 across the link.
+        count = (
+            "import json, sys, urllib.request as u; "
+            "print(len(json.load(u.urlopen(sys.argv[1] + '/sim/requests', timeout=10))))"
+        )
+        for n, host in ((1, "a"), (2, "b")):
+            url = f"http://{hosts[host]}:{EnvDir(stack.env).role_env('decode', n)['DECODE_PORT']}"
+            done = subprocess.run(
+                ["ip", "netns", "exec", two_hosts["a"], sys.executable, "-c", count, url],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert done.returncode == 0 and int(done.stdout) >= 1, done.stdout + done.stderr
+    finally:
+        pd_on("a", "down", timeout=120)
+        pd_on("b", "down", timeout=120)
+        kill_all(stack.env, stack.run_dir)
