@@ -141,20 +141,7 @@ def cmd_restart(args) -> int:
     role = _one(stack, args.role)
     if not _here(stack, [role], out):
         return 1
-    started = time.time()
-    if role.kind == "router":
-        _started(stack, role, out)
-    out(f"{role.name}: {sup.restart(role).detail}")
-    health = checks.wait_healthy(stack, role, sup.alive, started)
-    if not health.ok:
-        _show_failure(out, sup, role, health.detail, args.log_lines)
-        return 1
-    out(f"{role.name}: healthy after {health.seconds:.1f} s")
-    if role.kind != "router":
-        _started(stack, role, out)
-    elif not _routes_to_all(stack, role, out):
-        return 1
-    return 0
+    return 0 if _restart_in_service(stack, sup, role, out, args.log_lines) else 1
 
 
 def cmd_logs(args) -> int:
@@ -193,20 +180,27 @@ def _restart_healthy(stack: Stack, sup, role: Role, out, log_lines: int, tag: st
     return health
 
 
+def _restart_in_service(stack: Stack, sup, role: Role, out, log_lines: int) -> bool:
+    """Restart one instance and wait for its health; with several instances, the router
+    starts from the full worker list and routes to every instance on it, and an engine goes
+    back on the list."""
+    if role.kind == "router":
+        _started(stack, role, out)
+    if _restart_healthy(stack, sup, role, out, log_lines, role.name) is None:
+        return False
+    if role.kind != "router":
+        _started(stack, role, out)
+        return True
+    return _routes_to_all(stack, role, out)
+
+
 def cmd_co_restart(args) -> int:
     stack, sup, out = _context(args)
     t0 = time.time()
     for role in _here(stack, stack.select(args.roles), out):
-        if role.kind == "router":
-            _started(stack, role, out)
-        healthy = _restart_healthy(stack, sup, role, out, args.log_lines, role.name) is not None
-        if healthy and role.kind == "router":
-            healthy = _routes_to_all(stack, role, out)
-        if not healthy:
+        if not _restart_in_service(stack, sup, role, out, args.log_lines):
             out(f"co-restart stopped at {role.name}; instances after it were not touched", err=True)
             return 1
-        if role.kind != "router":
-            _started(stack, role, out)
     out(f"all roles healthy after {time.time() - t0:.1f} s")
     results = checks.verify(_narrowed(stack, args.roles))
     for check in results:
