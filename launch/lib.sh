@@ -74,7 +74,11 @@ load_env() {
 
 # True when DIR holds instance files (prefill.N.env, decode.N.env): several engines.
 has_instance_files() {
-  compgen -G "$ENV_DIR/prefill.[1-9]*.env" >/dev/null || compgen -G "$ENV_DIR/decode.[1-9]*.env" >/dev/null
+  local file
+  for file in "$ENV_DIR"/prefill.*.env "$ENV_DIR"/decode.*.env; do
+    [[ "${file##*/}" =~ ^(prefill|decode)\.[1-9][0-9]*\.env$ ]] && return 0
+  done
+  return 1
 }
 
 require() {

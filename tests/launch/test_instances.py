@@ -345,3 +345,32 @@ def test_2p2d_over_two_hosts_in_network_namespaces(tmp_path, two_hosts):
         pd_on("a", "down", timeout=120)
         pd_on("b", "down", timeout=120)
         kill_all(stack.env, stack.run_dir)
+
+
+def test_scripts_read_the_instance_file_last_and_the_router_takes_the_discovery_file(env_dir):
+    add_instances(env_dir, 2, 2, decode_2={"SGLANG_SM120_MMA_TARGET_CTAS": "auto"})
+    port = EnvDir(env_dir).role_env("decode", 2)["DECODE_PORT"]
+
+    def dry_run(script: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(ROOT / "launch" / script), "--env-dir", str(env_dir), *args, "--dry-run"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    decode = dry_run("decode.sh", "--instance", "2")
+    assert decode.returncode == 0, decode.stderr
+    assert "SGLANG_SM120_MMA_TARGET_CTAS=auto" in decode.stdout
+    assert "CUDA_VISIBLE_DEVICES=2,3" in decode.stdout
+    assert f"--port {port} " in decode.stdout.splitlines()[-1]
+    single = dry_run("decode.sh")
+    assert "SGLANG_SM120_MMA_TARGET_CTAS=512" in single.stdout
+    router = dry_run("router.sh").stdout.splitlines()[-1]
+    run_dir = EnvDir(env_dir).common()["PD_RUN_DIR"]
+    discovery = "--discovery-provider file --discovery-check-interval-secs 5 --discovery-file"
+    assert f"{discovery} {run_dir}/router-workers.json" in router
+    assert "--prefill" not in router and "--decode" not in router
+    for script, args in (("decode.sh", ("--instance", "0")), ("router.sh", ("--instance", "1"))):
+        refused = dry_run(script, *args)
+        assert refused.returncode == 2 and "--instance needs a number N" in refused.stderr
