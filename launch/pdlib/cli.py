@@ -77,9 +77,10 @@ def _routes_to_all(stack: Stack, router: Role, out) -> bool:
     if not stack.several:
         return True
     started = time.time()
-    for name in rotation.listed(stack):
+    listed = rotation.listed(stack)
+    for role in [r for r in stack.roles.values() if r.name in listed]:
         left = max(0.0, router.health_timeout_s - (time.time() - started))
-        waited = rotation.wait_router(stack, stack.role(name), True, left)
+        waited = rotation.wait_router(stack, role, True, left)
         if not waited.ok:
             out(f"router: {waited.detail}", err=True)
             return False

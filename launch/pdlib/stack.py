@@ -129,7 +129,12 @@ class Stack:
                     f"unknown role in {target!r}; address ROLE, ROLE/N or nothing (all); "
                     f"roles are {', '.join(ROLES)}"
                 )
-            found = [r for r in self.of_kind(kind) if "/" not in target or r.name == target]
+            # decode/1 also names the one instance of a role without instance files.
+            found = [
+                r
+                for r in self.of_kind(kind)
+                if "/" not in target or target in (r.name, f"{kind}/{r.index or 1}")
+            ]
             if not found:
                 have = ", ".join(r.name for r in self.of_kind(kind))
                 raise EnvFileError(f"no instance {target}; {kind} has {have}")
