@@ -226,6 +226,15 @@ def _out_of_rotation(out, role: Role, why: str) -> int:
     return 1
 
 
+def _stopped_before(out, role: Role, why: str) -> int:
+    out(
+        f"rolling-restart stopped before {role.name}: {why}; it and the instances after it "
+        "were not touched",
+        err=True,
+    )
+    return 1
+
+
 def cmd_rolling_restart(args) -> int:
     stack, sup, out = _context(args)
     if args.role not in ("prefill", "decode"):
@@ -247,14 +256,15 @@ def cmd_rolling_restart(args) -> int:
         tag = f"{role.name} {n}/{len(mine)}"
         workers = rotation.router_workers(stack)
         if isinstance(workers, str):
-            raise EnvFileError(f"cannot read the router's workers ({workers}); nothing was changed")
-        others = [
-            r.name for r in instances if r is not role and rotation.routable(workers.get(r.name))
-        ]
+            return _stopped_before(out, role, f"cannot read the router's workers ({workers})")
+        others = [r.name for r in instances if rotation.routable(workers.get(r.name))]
+        others = [name for name in others if name != role.name]
         if not others:
-            raise EnvFileError(
-                f"no other {args.role} instance is in rotation and ready, so taking {role.name} "
-                "out would stop the service; nothing was changed"
+            return _stopped_before(
+                out,
+                role,
+                f"no other {args.role} instance is in rotation and ready, so taking "
+                f"{role.name} out would stop the service",
             )
         out(f"[{tag}] out of rotation (the router keeps {', '.join(others)})")
         rotation.put(stack, role, False)

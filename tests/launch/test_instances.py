@@ -189,6 +189,12 @@ def test_rolling_restart_stops_at_an_instance_that_never_gets_healthy(tmp_path):
         assert "decode/2" not in workers and workers["decode/1"]["is_healthy"]
         probe = stack.pd("probe")
         assert probe.returncode == 0, probe.stdout + probe.stderr
+        # With decode/2 out, taking decode/1 out would stop the service: refused, untouched.
+        pid = stack.pid("decode-1")
+        again = stack.pd("rolling-restart", "decode")
+        assert again.returncode == 1
+        assert "stopped before decode/1: no other decode instance is in rotation" in again.stderr
+        assert stack.pid("decode-1") == pid and "decode/1" in listed(stack)
     finally:
         stack.pd("down", timeout=120)
         kill_all(stack.env, stack.run_dir)
