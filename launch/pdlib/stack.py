@@ -82,8 +82,7 @@ def is_loopback(host: str) -> bool:
 
 
 def is_local(host: str) -> bool:
-    label, here = this_host()
-    return host in here or (label.startswith("host ") and is_loopback(host))
+    return host in this_host()[1] or (not os.environ.get("PD_HOST") and is_loopback(host))
 
 
 @dataclass(frozen=True)
