@@ -7,14 +7,16 @@ PD_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ENV_DIR="$PD_ROOT/env"
 SIM=0
 DRY_RUN=0
+INSTANCE=""
 
 usage() {
   cat <<USAGE
-usage: launch/$1.sh [--env-dir DIR] [--sim] [--dry-run]
+usage: launch/$1.sh [--env-dir DIR] [--instance N] [--sim] [--dry-run]
 
 Start the $1 role from DIR/common.env and DIR/$1.env (default DIR: env/), replacing this shell
 with the server process.
   --env-dir DIR  directory holding common.env, prefill.env, decode.env, router.env
+  --instance N   engines only: read DIR/$1.N.env last (instance N of several; default: none)
   --sim          start the simulated engine (launch/sim_engine.py) instead of sglang;
                  the router is the real smg either way
   --dry-run      print the command and the environment taken from the env files, start nothing
@@ -32,6 +34,14 @@ parse_args() {
         ENV_DIR="$2"
         shift 2
         ;;
+      --instance)
+        [[ $# -ge 2 && "$2" =~ ^[1-9][0-9]*$ && "$role" != router ]] || {
+          echo "launch/$role.sh: --instance needs a number N (DIR/$role.N.env), engines only" >&2
+          exit 2
+        }
+        INSTANCE="$2"
+        shift 2
+        ;;
       --sim) SIM=1; shift ;;
       --dry-run) DRY_RUN=1; shift ;;
       -h | --help) usage "$role"; exit 0 ;;
@@ -40,17 +50,36 @@ parse_args() {
   done
 }
 
+# The files a role reads, in order: common, the role's, and the instance's when --instance N.
+env_files() {
+  local role="$1"
+  ENV_FILES=("$ENV_DIR/common.env" "$ENV_DIR/$role.env")
+  if [[ -n "$INSTANCE" ]]; then
+    ENV_FILES+=("$ENV_DIR/$role.$INSTANCE.env")
+  fi
+}
+
 load_env() {
   local role="$1" file
-  for file in "$ENV_DIR/common.env" "$ENV_DIR/$role.env"; do
+  env_files "$role"
+  for file in "${ENV_FILES[@]}"; do
     [[ -f "$file" ]] || { echo "launch/$role.sh: missing env file $file" >&2; exit 2; }
   done
   set -a
-  # shellcheck disable=SC1090,SC1091
-  . "$ENV_DIR/common.env"
-  # shellcheck disable=SC1090,SC1091
-  . "$ENV_DIR/$role.env"
+  for file in "${ENV_FILES[@]}"; do
+    # shellcheck disable=SC1090,SC1091
+    . "$file"
+  done
   set +a
+}
+
+# True when DIR holds instance files (prefill.N.env, decode.N.env): several engines.
+has_instance_files() {
+  local file
+  for file in "$ENV_DIR"/prefill.*.env "$ENV_DIR"/decode.*.env; do
+    [[ "${file##*/}" =~ ^(prefill|decode)\.[1-9][0-9]*\.env$ ]] && return 0
+  done
+  return 1
 }
 
 require() {
@@ -58,6 +87,14 @@ require() {
   for name in "$@"; do
     [[ -n "${!name:-}" ]] || { echo "launch: $name is not set in $ENV_DIR" >&2; exit 2; }
   done
+}
+
+# A path from the env files: absolute as given, else under the repository root.
+root_path() {
+  case "$1" in
+    /*) printf '%s\n' "$1" ;;
+    *) printf '%s\n' "$PD_ROOT/$1" ;;
+  esac
 }
 
 from_root() {
@@ -81,17 +118,15 @@ engine_command() {
     # Not --api-key: any local user reads a command line. sglang reads the key from a YAML
     # --config file that only this user can read (YAML single quotes: ' doubles).
     local config
-    config="$(secret_file "$ROLE.yaml")"
+    config="$(secret_file "$ROLE${INSTANCE:+-$INSTANCE}.yaml")"
     write_secret "$config" "api-key: '${API_KEY//\'/\'\'}'"
     CMD+=(--config "$config")
   fi
 }
 
-# Where launch/pd keeps a role's secret file: PD_RUN_DIR/secrets (mode 0700), removed by `down`.
+# Where a role's secret file goes: PD_RUN_DIR/secrets (mode 0700); `launch/pd down` removes it.
 secret_file() {
-  local run="${PD_RUN_DIR:-run}"
-  [[ "$run" == /* ]] || run="$PD_ROOT/$run"
-  printf '%s/secrets/%s\n' "$run" "$1"
+  printf '%s/secrets/%s\n' "$(root_path "${PD_RUN_DIR:-run}")" "$1"
 }
 
 # write_secret FILE CONTENT: mode 0600, written whole (temp file, then rename); not in --dry-run.
@@ -115,16 +150,16 @@ is_secret_name() {
 }
 
 print_dry_run() {
-  local role="$1" key word previous=""
+  local key word previous=""
   shift
-  echo "# environment from $ENV_DIR/common.env and $ENV_DIR/$role.env"
+  echo "# environment from ${ENV_FILES[*]}"
   while read -r key; do
     if is_secret_name "$key" && [[ -n "${!key}" ]]; then
       printf '%s=<redacted>\n' "$key"
     else
       printf '%s=%s\n' "$key" "${!key}"
     fi
-  done < <(env_keys "$ENV_DIR/common.env" "$ENV_DIR/$role.env")
+  done < <(env_keys "${ENV_FILES[@]}")
   echo "# command"
   for word in "$@"; do
     if [[ "$previous" == --api-key ]]; then

@@ -20,14 +20,22 @@ smg_python() {
 main() {
   parse_args router "$@"
   load_env router
-  require PREFILL_HOST PREFILL_PORT PREFILL_BOOTSTRAP_PORT DECODE_HOST DECODE_PORT ROUTER_HOST \
-    ROUTER_PORT ROUTER_PROMETHEUS_PORT
+  require ROUTER_HOST ROUTER_PORT ROUTER_PROMETHEUS_PORT
   local -a extra=()
   read -r -a extra <<<"${ROUTER_ARGS:-}"
-  CMD=("$(from_root "${SMG_BIN:-smg}")" launch --pd-disaggregation
-    --prefill "http://$PREFILL_HOST:$PREFILL_PORT" "$PREFILL_BOOTSTRAP_PORT"
-    --decode "http://$DECODE_HOST:$DECODE_PORT"
-    --host "$ROUTER_HOST" --port "$ROUTER_PORT" --prometheus-port "$ROUTER_PROMETHEUS_PORT")
+  CMD=("$(from_root "${SMG_BIN:-smg}")" launch --pd-disaggregation)
+  if has_instance_files; then
+    # Several engines: smg reads its worker list from a file that launch/pd writes and
+    # rewrites (rolling-restart takes an instance out and puts it back). smg rereads the file
+    # as soon as it changes; the periodic reread is only a backstop.
+    CMD+=(--discovery-provider file --discovery-check-interval-secs 5
+      --discovery-file "$(root_path "${PD_RUN_DIR:-run}")/router-workers.json")
+  else
+    require PREFILL_HOST PREFILL_PORT PREFILL_BOOTSTRAP_PORT DECODE_HOST DECODE_PORT
+    CMD+=(--prefill "http://$PREFILL_HOST:$PREFILL_PORT" "$PREFILL_BOOTSTRAP_PORT"
+      --decode "http://$DECODE_HOST:$DECODE_PORT")
+  fi
+  CMD+=(--host "$ROUTER_HOST" --port "$ROUTER_PORT" --prometheus-port "$ROUTER_PROMETHEUS_PORT")
   if [[ -n "${API_KEY:-}" ]]; then
     # Not --api-key on smg's command line (any local user reads it): the key goes to a 0600 file
     # and launch/smg_keyfile.py hands it to smg inside the process.

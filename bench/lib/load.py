@@ -30,8 +30,10 @@ async def run_load(
     spec: LoadSpec,
     on_done: Callable[[ChatOutput], None] = lambda _out: None,
     api_key: str = "",
+    until: Callable[[], bool] = lambda: False,
 ) -> tuple[list[ChatOutput], float]:
-    """Return the outputs in request order and the wall time from first send to last answer."""
+    """Return the outputs in request order and the wall time from first send to last answer.
+    No request is sent once `until()` is true (the ones in flight finish)."""
     outputs: list[ChatOutput | None] = [None] * spec.requests
     next_index = iter(range(spec.requests))
     prompts = [seeded_prompt(spec.seed, i, spec.input_words) for i in range(spec.requests)]
@@ -39,6 +41,8 @@ async def run_load(
 
     async def worker(session: aiohttp.ClientSession) -> None:
         for i in next_index:
+            if until():
+                return
             request = ChatRequest(
                 [{"role": "user", "content": prompts[i]}], spec.output_tokens, model=model
             )

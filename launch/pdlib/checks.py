@@ -39,7 +39,7 @@ def wait_healthy(stack: Stack, role: Role, alive, started_at: float) -> Healthy:
         if reply.status == 200:
             return Healthy(True, now - started_at, "healthy", _sim_detection(stack, role, now))
         last = f"HTTP {reply.status}" if reply.status is not None else reply.error
-        if not alive(role.name):
+        if not alive(role.key):
             return Healthy(False, now - started_at, f"process exited (last health: {last})")
         if now >= deadline:
             return Healthy(
@@ -66,9 +66,11 @@ def _sim_detection(stack: Stack, role: Role, seen_at: float) -> float | None:
 class Check:
     ok: bool
     text: str
+    # False: the check could not run from this host; it neither passes nor fails.
+    checked: bool = True
 
     def line(self) -> str:
-        return f"{'ok  ' if self.ok else 'FAIL'} {self.text}"
+        return f"{'skip' if not self.checked else 'ok  ' if self.ok else 'FAIL'} {self.text}"
 
 
 def health_checks(stack: Stack) -> list[Check]:
@@ -84,9 +86,20 @@ def environ_checks(stack: Stack) -> list[Check]:
     """Knobs as the engines' port-owning processes hold them. The router is left out: smg reads
     no SGLANG_* knob, and it rewrites its process title, which blanks /proc/PID/environ."""
     out = []
-    for role in (stack.role("prefill"), stack.role("decode")):
-        knobs = stack.env.knobs(role.name)
+    for role in stack.of_kind("prefill") + stack.of_kind("decode"):
+        knobs = stack.env.knobs(role.kind, role.index)
         if not knobs:
+            continue
+        if not role.local:
+            out.append(
+                Check(
+                    True,
+                    f"{role.name}: not checked here: it runs on {role.host}, not this host "
+                    f"({stack.here}), and a remote /proc cannot be read from here; run verify "
+                    f"on {role.host} for {', '.join(knobs)}",
+                    checked=False,
+                )
+            )
             continue
         pid = port_owner(role.port)
         if pid is None:
@@ -210,6 +223,15 @@ def verify(stack: Stack) -> list[Check]:
     return health_checks(stack) + environ_checks(stack) + [manifest_check(stack)]
 
 
+def summary(results: list[Check]) -> tuple[bool, str]:
+    failed = [c for c in results if c.checked and not c.ok]
+    skipped = [c for c in results if not c.checked]
+    text = f"{len(results) - len(failed) - len(skipped)} ok, {len(failed)} failed"
+    if skipped:
+        text += f", {len(skipped)} not checked from this host (see the skip lines)"
+    return not failed, text
+
+
 # --- metrics --------------------------------------------------------------------------------
 
 ENGINE_GAUGES = (
@@ -223,8 +245,8 @@ ENGINE_GAUGES = (
 )
 
 
-def engine_load(stack: Stack, role: str) -> dict[str, float] | str:
-    reply = http(stack.role(role).url + "/metrics", timeout=5.0)
+def engine_load(role: Role) -> dict[str, float] | str:
+    reply = http(role.url + "/metrics", timeout=5.0)
     if reply.status != 200:
         return f"metrics unavailable ({reply.status or reply.error})"
     try:
@@ -235,13 +257,15 @@ def engine_load(stack: Stack, role: str) -> dict[str, float] | str:
 
 def metrics_lines(stack: Stack) -> list[tuple[bool, str]]:
     out = []
-    for name in ("prefill", "decode"):
-        values = engine_load(stack, name)
+    for role in stack.of_kind("prefill") + stack.of_kind("decode"):
+        values = engine_load(role)
         if isinstance(values, str):
-            out.append((False, f"{name}: {values}"))
+            out.append((False, f"{role.name}: {values}"))
             continue
         shown = [f"{g.split(':', 1)[1]}={values[g]:g}" for g in ENGINE_GAUGES if g in values]
-        out.append((True, f"{name}: " + " ".join(shown)))
+        out.append((True, f"{role.name}: " + " ".join(shown)))
+    if "router" not in stack.roles:
+        return out
     router = stack.role("router")
     port = stack.env.role_env("router").get("ROUTER_PROMETHEUS_PORT", "")
     reply = http(f"http://{router.host}:{port}/metrics", timeout=5.0)
@@ -291,13 +315,14 @@ def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[s
         "max_tokens": max_tokens,
         "stream": False,
     }
-    before = engine_load(stack, "decode")
+    decodes = stack.of_kind("decode")
+    before = [engine_load(role) for role in decodes]
     t0 = time.perf_counter()
     reply = http(
         router.url + "/v1/chat/completions", timeout=timeout_s, data=body, api_key=stack.api_key
     )
     latency = time.perf_counter() - t0
-    after = engine_load(stack, "decode")
+    after = [engine_load(role) for role in decodes]
     lines = []
     ok = reply.status == 200
     status = f"HTTP {reply.status}" if reply.status is not None else f"no reply ({reply.error})"
@@ -312,5 +337,8 @@ def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[s
     elif reply.body:
         detail = f", body: {reply.body.decode(errors='replace')[:300]}"
     lines.append(f"probe {router.url}/v1/chat/completions: {status} in {latency:.3f} s{detail}")
-    lines.append(f"decode load when sent: {_load_text(before)}; when answered: {_load_text(after)}")
+    for role, sent, answered in zip(decodes, before, after, strict=True):
+        lines.append(
+            f"{role.name} load when sent: {_load_text(sent)}; when answered: {_load_text(answered)}"
+        )
     return ok, lines

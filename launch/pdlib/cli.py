@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from launch.pdlib import checks, envfiles, systemd_units
-from launch.pdlib.envfiles import ROLES, EnvFileError, Redactor
-from launch.pdlib.stack import ROOT, load_stack
+from launch.pdlib import checks, envfiles, rotation, systemd_units
+from launch.pdlib.envfiles import EnvFileError, Redactor
+from launch.pdlib.stack import ROOT, Role, Stack, load_stack
 from launch.pdlib.supervise import SuperviseError, remove_secret, supervisor_for
 
 DEFAULT_ENV_DIR = ROOT / "env"
@@ -26,122 +27,189 @@ class Out:
         print(self.redact(text), file=stream, flush=True)
 
 
-def _roles(names: list[str]) -> list[str]:
-    bad = [n for n in names if n not in ROLES]
-    if bad:
-        raise EnvFileError(f"unknown role(s) {', '.join(bad)}; roles are {', '.join(ROLES)}")
-    # The order matters: engines before the router when starting, the reverse when stopping.
-    return [r for r in ROLES if r in names] if names else list(ROLES)
-
-
 def _context(args):
     stack = load_stack(args.env_dir, args.sim, getattr(args, "timeout", None))
     return stack, supervisor_for(stack, args.env_dir), Out(stack.env.redactor())
 
 
+def _narrowed(stack: Stack, targets: list[str], with_router: bool = False) -> Stack:
+    """The stack seen through the instances the targets name (ROLE/N, ROLE or all)."""
+    chosen = {r.name: r for r in stack.select(targets)}
+    if with_router:
+        chosen.update({r.name: r for r in stack.of_kind("router")})
+    return replace(stack, roles={n: r for n, r in stack.roles.items() if n in chosen})
+
+
+def _here(stack: Stack, roles: list[Role], out) -> list[Role]:
+    """The instances of this host; the others are named and left alone."""
+    for role in roles:
+        if not role.local:
+            out(f"{role.name}: on {role.host}, not this host ({stack.here}); skipped")
+    return [r for r in roles if r.local]
+
+
+def _one(stack: Stack, target: str) -> Role:
+    roles = stack.select([target])
+    if len(roles) != 1:
+        raise EnvFileError(
+            f"{target} names {len(roles)} instances ({', '.join(r.name for r in roles)}); "
+            "name one as ROLE/N"
+        )
+    return roles[0]
+
+
+def _started(stack: Stack, role: Role, out) -> None:
+    """Bookkeeping after a role is (re)started, with several instances: the router reads its
+    workers from the file, so it is written before the router starts, and an engine that is
+    up again is put back on the list."""
+    if not stack.several:
+        return
+    if role.kind == "router":
+        rotation.write(stack, list(stack.roles))
+        out(f"router: worker list {stack.workers_file} lists every instance")
+    elif rotation.put(stack, role, True):
+        out(f"{role.name}: back in the router's worker list ({stack.workers_file})")
+
+
+def _routes_to_all(stack: Stack, router: Role, out) -> bool:
+    """With several instances the router is ready once it has one prefill and one decode;
+    wait until it routes to every instance on its worker list."""
+    if not stack.several:
+        return True
+    started = time.time()
+    listed = rotation.listed(stack)
+    for role in [r for r in stack.roles.values() if r.name in listed]:
+        left = max(0.0, router.health_timeout_s - (time.time() - started))
+        waited = rotation.wait_router(stack, role, True, left)
+        if not waited.ok:
+            out(f"router: {waited.detail}", err=True)
+            return False
+    out(f"router: routes to every listed instance after {time.time() - started:.1f} s")
+    return True
+
+
 def cmd_up(args) -> int:
     stack, sup, out = _context(args)
-    rc = 0
-    for name in _roles(args.roles):
-        role = stack.role(name)
-        state = sup.state(name)
+    for role in _here(stack, stack.select(args.roles), out):
+        state = sup.state(role.key)
         if state.running:
-            out(f"{name}: already {state.detail}")
+            out(f"{role.name}: already {state.detail}")
         else:
-            out(f"{name}: {sup.start(role).detail}")
+            if role.kind == "router":
+                _started(stack, role, out)
+            out(f"{role.name}: {sup.start(role).detail}")
         if args.no_wait:
             continue
         health = checks.wait_healthy(stack, role, sup.alive, time.time())
         if not health.ok:
-            _show_failure(out, sup, name, health.detail, args.log_lines)
+            _show_failure(out, sup, role, health.detail, args.log_lines)
             return 1
-        out(f"{name}: healthy ({role.health_url})")
-    return rc
+        out(f"{role.name}: healthy ({role.health_url})")
+        if role.kind != "router":
+            _started(stack, role, out)
+        elif not _routes_to_all(stack, role, out):
+            return 1
+    return 0
 
 
 def cmd_down(args) -> int:
     stack, sup, out = _context(args)
-    for name in reversed(_roles(args.roles)):
-        detail = sup.stop(stack.role(name)).detail
-        if remove_secret(stack.run_dir, name):
+    for role in reversed(_here(stack, stack.select(args.roles), out)):
+        if stack.several and role.kind != "router" and rotation.put(stack, role, False):
+            out(f"{role.name}: taken out of the router's worker list")
+        detail = sup.stop(role).detail
+        if remove_secret(stack.run_dir, role):
             detail += "; its API key file removed"
-        out(f"{name}: {detail}")
+        out(f"{role.name}: {detail}")
     return 0
 
 
 def cmd_status(args) -> int:
     stack, sup, out = _context(args)
     rc = 0
-    for name in _roles(args.roles):
-        role = stack.role(name)
-        state = sup.state(name)
+    width = max(8, *(len(r.name) for r in stack.roles.values()))
+    for role in stack.select(args.roles):
+        state = sup.state(role.key) if role.local else None
         reply = checks.http(role.health_url)
         health = f"HTTP {reply.status}" if reply.status is not None else reply.error
         healthy = reply.status == 200
-        rc |= 0 if (state.running and healthy) else 1
-        out(f"{name:8s} {state.detail}; {role.health_url}: {health}")
+        running = state.running if state else True
+        rc |= 0 if (running and healthy) else 1
+        detail = state.detail if state else f"on {role.host} (process not visible from here)"
+        out(f"{role.name:{width}s} {detail}; {role.health_url}: {health}")
     return rc
 
 
 def cmd_restart(args) -> int:
     stack, sup, out = _context(args)
-    role = stack.role(args.role)
-    started = time.time()
-    out(f"{role.name}: {sup.restart(role).detail}")
-    health = checks.wait_healthy(stack, role, sup.alive, started)
-    if not health.ok:
-        _show_failure(out, sup, role.name, health.detail, args.log_lines)
+    role = _one(stack, args.role)
+    if not _here(stack, [role], out):
         return 1
-    out(f"{role.name}: healthy after {health.seconds:.1f} s")
-    return 0
+    return 0 if _restart_in_service(stack, sup, role, out, args.log_lines) else 1
 
 
 def cmd_logs(args) -> int:
-    _, sup, out = _context(args)
-    _roles([args.role])
-    for line in sup.logs(args.role, args.lines):
+    stack, sup, out = _context(args)
+    for line in sup.logs(_one(stack, args.role).key, args.lines):
         out(line)
     return 0
 
 
-def _show_failure(out, sup, role: str, detail: str, lines: int) -> None:
-    out(f"{role}: {detail}", err=True)
-    out(f"--- last {lines} lines of the {role} log ---", err=True)
-    for line in sup.logs(role, lines):
+def _show_failure(out, sup, role: Role, detail: str, lines: int) -> None:
+    out(f"{role.name}: {detail}", err=True)
+    out(f"--- last {lines} lines of the {role.name} log ---", err=True)
+    for line in sup.logs(role.key, lines):
         out(line, err=True)
+
+
+def _restart_healthy(stack: Stack, sup, role: Role, out, log_lines: int, tag: str):
+    """Restart one instance and wait for its health; the Healthy result, or None when the
+    supervisor could not restart it (said on stderr)."""
+    started = time.time()
+    out(f"[{tag}] restarting ({sup.kind}{', sim' if stack.sim else ''})")
+    try:
+        detail = sup.restart(role).detail
+        out(f"[{tag}] {detail} ({time.time() - started:.1f} s)")
+    except SuperviseError as exc:
+        out(f"[{tag}] {exc}", err=True)
+        return None
+    health = checks.wait_healthy(stack, role, sup.alive, started)
+    if not health.ok:
+        _show_failure(out, sup, role, health.detail, log_lines)
+        return None
+    detect = ""
+    if health.detected_after_ready_s is not None:
+        detect = f", seen {health.detected_after_ready_s:.2f} s after it reported ready"
+    out(f"[{tag}] healthy after {health.seconds:.1f} s (poll {stack.poll_interval_s:g} s{detect})")
+    return health
+
+
+def _restart_in_service(stack: Stack, sup, role: Role, out, log_lines: int) -> bool:
+    """Restart one instance and wait for its health; with several instances, the router
+    starts from the full worker list and routes to every instance on it, and an engine goes
+    back on the list."""
+    if role.kind == "router":
+        _started(stack, role, out)
+    if _restart_healthy(stack, sup, role, out, log_lines, role.name) is None:
+        return False
+    if role.kind != "router":
+        _started(stack, role, out)
+        return True
+    return _routes_to_all(stack, role, out)
 
 
 def cmd_co_restart(args) -> int:
     stack, sup, out = _context(args)
     t0 = time.time()
-    for name in ROLES:
-        role = stack.role(name)
-        started = time.time()
-        out(f"[{name}] restarting ({sup.kind}{', sim' if stack.sim else ''})")
-        try:
-            detail = sup.restart(role).detail
-            out(f"[{name}] {detail} ({time.time() - started:.1f} s)")
-        except SuperviseError as exc:
-            out(f"[{name}] {exc}", err=True)
-            out(f"co-restart stopped at {name}; roles after it were not touched", err=True)
+    for role in _here(stack, stack.select(args.roles), out):
+        if not _restart_in_service(stack, sup, role, out, args.log_lines):
+            out(f"co-restart stopped at {role.name}; instances after it were not touched", err=True)
             return 1
-        health = checks.wait_healthy(stack, role, sup.alive, started)
-        if not health.ok:
-            _show_failure(out, sup, name, health.detail, args.log_lines)
-            out(f"co-restart stopped at {name}; roles after it were not touched", err=True)
-            return 1
-        detect = ""
-        if health.detected_after_ready_s is not None:
-            detect = f", seen {health.detected_after_ready_s:.2f} s after it reported ready"
-        out(
-            f"[{name}] healthy after {health.seconds:.1f} s (poll {stack.poll_interval_s:g} s"
-            f"{detect})"
-        )
     out(f"all roles healthy after {time.time() - t0:.1f} s")
-    results = checks.verify(stack)
+    results = checks.verify(_narrowed(stack, args.roles))
     for check in results:
         out(check.line())
-    if not all(c.ok for c in results):
+    if not checks.summary(results)[0]:
         out("co-restart: verify failed", err=True)
         return 1
     ok, lines = checks.probe(stack, args.probe_timeout, 16)
@@ -151,19 +219,98 @@ def cmd_co_restart(args) -> int:
     return 0 if ok else 1
 
 
+def _out_of_rotation(out, role: Role, why: str) -> int:
+    out(f"rolling-restart stopped at {role.name}: {why}", err=True)
+    out(
+        f"{role.name} is OUT of rotation (not in the router's worker list); the other "
+        f"instances keep serving. Fix it, then `launch/pd up {role.name}` puts it back.",
+        err=True,
+    )
+    return 1
+
+
+def _stopped_before(out, role: Role, why: str) -> int:
+    out(
+        f"rolling-restart stopped before {role.name}: {why}; it and the instances after it "
+        "were not touched",
+        err=True,
+    )
+    return 1
+
+
+def cmd_rolling_restart(args) -> int:
+    stack, sup, out = _context(args)
+    if args.role not in ("prefill", "decode"):
+        raise EnvFileError(f"rolling-restart takes prefill or decode, not {args.role!r}")
+    instances = stack.of_kind(args.role)
+    if len(instances) < 2:
+        raise EnvFileError(
+            f"{args.role} has a single instance: taking it out of rotation would stop the "
+            f"service. Use `launch/pd co-restart` (or add {args.role}.N.env instance files)"
+        )
+    if not stack.role("router").local:
+        raise EnvFileError(
+            f"the router runs on {stack.role('router').host}, not this host ({stack.here}); "
+            "its worker list is there: run rolling-restart on the router's host"
+        )
+    t0 = time.time()
+    mine = _here(stack, instances, out)
+    for n, role in enumerate(mine, 1):
+        tag = f"{role.name} {n}/{len(mine)}"
+        workers = rotation.router_workers(stack)
+        if isinstance(workers, str):
+            return _stopped_before(out, role, f"cannot read the router's workers ({workers})")
+        others = [r.name for r in instances if rotation.routable(workers.get(r.name))]
+        others = [name for name in others if name != role.name]
+        if not others:
+            return _stopped_before(
+                out,
+                role,
+                f"no other {args.role} instance is in rotation and ready, so taking "
+                f"{role.name} out would stop the service",
+            )
+        out(f"[{tag}] out of rotation (the router keeps {', '.join(others)})")
+        rotation.put(stack, role, False)
+        gone = rotation.wait_router(stack, role, False, args.router_timeout)
+        if not gone.ok:
+            return _out_of_rotation(out, role, gone.detail)
+        out(f"[{tag}] {gone.detail} after {gone.seconds:.1f} s")
+        drained = rotation.wait_drained(stack, role, args.drain_timeout, out)
+        if drained.ok:
+            out(f"[{tag}] drained after {drained.seconds:.1f} s ({drained.detail})")
+        else:
+            out(f"[{tag}] {drained.detail}; restarting anyway")
+        if _restart_healthy(stack, sup, role, out, args.log_lines, tag) is None:
+            return _out_of_rotation(out, role, "it did not come back healthy")
+        results = checks.environ_checks(replace(stack, roles={role.name: role}))
+        for check in results:
+            out(check.line())
+        if not checks.summary(results)[0]:
+            return _out_of_rotation(out, role, "its knobs are not live in its process")
+        rotation.put(stack, role, True)
+        back = rotation.wait_router(stack, role, True, args.router_timeout)
+        if not back.ok:
+            return _out_of_rotation(out, role, back.detail)
+        out(f"[{tag}] {back.detail} after {back.seconds:.1f} s")
+    out(f"rolling-restart {args.role} done in {time.time() - t0:.1f} s")
+    return 0
+
+
 def cmd_verify(args) -> int:
     stack, _, out = _context(args)
-    results = checks.verify(stack)
+    results = checks.verify(_narrowed(stack, args.roles))
     for check in results:
         out(check.line())
-    failed = sum(not c.ok for c in results)
-    out(f"verify: {len(results) - failed} ok, {failed} failed")
-    return 1 if failed else 0
+    ok, text = checks.summary(results)
+    out(f"verify: {text}")
+    return 0 if ok else 1
 
 
 def cmd_probe(args) -> int:
     stack, _, out = _context(args)
-    ok, lines = checks.probe(stack, args.probe_timeout, args.max_tokens)
+    ok, lines = checks.probe(
+        _narrowed(stack, args.roles, with_router=True), args.probe_timeout, args.max_tokens
+    )
     for line in lines:
         out(line)
     return 0 if ok else 1
@@ -171,7 +318,7 @@ def cmd_probe(args) -> int:
 
 def cmd_metrics(args) -> int:
     stack, _, out = _context(args)
-    rows = checks.metrics_lines(stack)
+    rows = checks.metrics_lines(_narrowed(stack, args.roles))
     for _, line in rows:
         out(line)
     return 0 if all(ok for ok, _ in rows) else 1
@@ -224,7 +371,9 @@ def cmd_env_restore(args) -> int:
 
 
 def cmd_units(args) -> int:
-    written = systemd_units.render(args.out, args.env_dir, args.sim)
+    stack, _, out = _context(args)
+    roles = _here(stack, stack.select(args.roles), out)
+    written = systemd_units.render(args.out, stack, roles, args.sim)
     for path in written:
         print(f"wrote {path}")
     return 0
@@ -263,53 +412,88 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the probe request may take (default: 300)",
     )
 
+    targets = argparse.ArgumentParser(add_help=False)
+    targets.add_argument(
+        "roles",
+        nargs="*",
+        metavar="TARGET",
+        help="ROLE (all its instances), ROLE/N (instance N) or nothing (every instance)",
+    )
+
     parser = argparse.ArgumentParser(
         prog="launch/pd",
         description=__doc__,
-        epilog="Roles: prefill, decode, router. Supervision (local or systemd) comes from "
-        "PD_SUPERVISOR in common.env.",
+        epilog="Roles: prefill, decode, router. With instance files (prefill.N.env, "
+        "decode.N.env) a role has several instances, addressed as ROLE/N; pd starts and "
+        "stops only the instances of this host (PD_HOST, else its host name). Supervision "
+        "(local or systemd) comes from PD_SUPERVISOR in common.env.",
     )
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    p = sub.add_parser("up", parents=[stack, logs, timeout], help="start roles, wait healthy")
-    p.add_argument("roles", nargs="*", metavar="ROLE", help="default: all, in order")
+    p = sub.add_parser(
+        "up", parents=[stack, logs, timeout, targets], help="start instances, wait healthy"
+    )
     p.add_argument("--no-wait", action="store_true", help="do not wait for health")
     p.set_defaults(func=cmd_up)
-    p = sub.add_parser("down", parents=[stack], help="stop roles (router first)")
-    p.add_argument("roles", nargs="*", metavar="ROLE", help="default: all")
+    p = sub.add_parser("down", parents=[stack, targets], help="stop instances (router first)")
     p.set_defaults(func=cmd_down)
-    p = sub.add_parser("status", parents=[stack], help="process state and health of each role")
-    p.add_argument("roles", nargs="*", metavar="ROLE", help="default: all")
+    p = sub.add_parser(
+        "status", parents=[stack, targets], help="process state and health of each instance"
+    )
     p.set_defaults(func=cmd_status)
-    p = sub.add_parser("restart", parents=[stack, logs, timeout], help="restart one role")
-    p.add_argument("role", choices=ROLES)
+    p = sub.add_parser("restart", parents=[stack, logs, timeout], help="restart one instance")
+    p.add_argument("role", metavar="TARGET", help="ROLE (when it has one instance) or ROLE/N")
     p.set_defaults(func=cmd_restart)
-    p = sub.add_parser("logs", parents=[stack], help="last lines of a role's log")
-    p.add_argument("role", choices=ROLES)
+    p = sub.add_parser("logs", parents=[stack], help="last lines of an instance's log")
+    p.add_argument("role", metavar="TARGET", help="ROLE (when it has one instance) or ROLE/N")
     p.add_argument("-n", "--lines", type=int, default=50, help="default: 50")
     p.set_defaults(func=cmd_logs)
     p = sub.add_parser(
         "co-restart",
-        parents=[stack, logs, timeout, probe_opts],
-        help="prefill, decode, router in turn, each healthy before the next; then verify, probe",
+        parents=[stack, logs, timeout, probe_opts, targets],
+        help="prefill, decode, router instances in turn, each healthy before the next; "
+        "then verify, probe",
     )
     p.set_defaults(func=cmd_co_restart)
     p = sub.add_parser(
+        "rolling-restart",
+        parents=[stack, logs, timeout],
+        help="restart a role's instances one at a time, each out of the router's rotation "
+        "while it restarts",
+    )
+    p.add_argument("role", metavar="ROLE", help="prefill or decode (it needs 2 or more instances)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for an instance's running and queued requests to reach zero "
+        "before restarting it anyway (default: 600)",
+    )
+    p.add_argument(
+        "--router-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the router to drop or take back an instance (default: 120)",
+    )
+    p.set_defaults(func=cmd_rolling_restart)
+    p = sub.add_parser(
         "verify",
-        parents=[stack],
+        parents=[stack, targets],
         help="health, knobs in the live process environments, patched build",
     )
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser(
         "probe",
-        parents=[stack, probe_opts],
-        help="one chat completion through the router, with decode's load",
+        parents=[stack, probe_opts, targets],
+        help="one chat completion through the router, with the decodes' load",
     )
     p.add_argument("--max-tokens", type=int, default=16, help="default: 16")
     p.set_defaults(func=cmd_probe)
-    p = sub.add_parser("metrics", parents=[stack], help="key gauges of each role")
+    p = sub.add_parser("metrics", parents=[stack, targets], help="key gauges of each instance")
     p.set_defaults(func=cmd_metrics)
-    p = sub.add_parser("units", parents=[stack], help="render the systemd unit templates")
+    p = sub.add_parser(
+        "units", parents=[stack, targets], help="render one systemd unit per instance of this host"
+    )
     p.add_argument("--out", type=Path, required=True, help="directory to write the units into")
     p.set_defaults(func=cmd_units)
 

@@ -144,10 +144,11 @@ def _flag_in(message: str, argv: list[str]) -> str | None:
     return None
 
 
-def engine_argv(env_dir: Path, role: str) -> list[str]:
+def engine_argv(env_dir: Path, role: str, index: int | None = None) -> list[str]:
     """The arguments launch/ROLE.sh gives sglang.launch_server (its --dry-run, parsed)."""
+    instance = ["--instance", str(index)] if index is not None else []
     done = subprocess.run(
-        ["bash", str(LAUNCH_DIR / f"{role}.sh"), "--env-dir", str(env_dir), "--dry-run"],
+        ["bash", str(LAUNCH_DIR / f"{role}.sh"), "--env-dir", str(env_dir), *instance, "--dry-run"],
         capture_output=True,
         text=True,
         timeout=60,

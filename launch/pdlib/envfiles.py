@@ -17,6 +17,8 @@ from pathlib import Path
 
 ROLES = ("prefill", "decode", "router")
 FILES = ("common.env", "prefill.env", "decode.env", "router.env")
+# One engine instance of several: ROLE.N.env, read after common.env and ROLE.env.
+INSTANCE_FILE_RE = re.compile(r"^(prefill|decode)\.([1-9][0-9]*)\.env$")
 KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SECRET_RE = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
 REDACTED = "<redacted>"
@@ -129,7 +131,7 @@ class EnvDir:
         missing = [f for f in FILES if not (self.path / f).is_file()]
         if missing:
             raise EnvFileError(f"--env-dir {self.path}: missing {', '.join(missing)}")
-        self.lines = {name: parse_file(self.path / name) for name in FILES}
+        self.lines = {name: parse_file(self.path / name) for name in FILES + instance_files(path)}
 
     def values(self, name: str) -> dict[str, str]:
         return {line.key: line.value for line in self.lines[name]}
@@ -137,14 +139,34 @@ class EnvDir:
     def common(self) -> dict[str, str]:
         return self.values("common.env")
 
-    def role_env(self, role: str) -> dict[str, str]:
-        """What the role's process gets from the files: common, then the role's file on top."""
-        merged = self.common()
-        merged.update(self.values(f"{role}.env"))
+    def instances(self, role: str) -> list[int]:
+        """The numbers N of the role's ROLE.N.env files; empty: the role is one instance."""
+        found = (INSTANCE_FILE_RE.match(name) for name in self.lines)
+        return sorted(int(m.group(2)) for m in found if m and m.group(1) == role)
+
+    def files(self, role: str, index: int | None = None) -> list[str]:
+        """The files an instance reads, in order: common, the role's file, its own file."""
+        own = [f"{role}.{index}.env"] if index is not None else []
+        return ["common.env", f"{role}.env", *own]
+
+    def role_env(self, role: str, index: int | None = None) -> dict[str, str]:
+        """What the process gets from the files: common, the role's file, the instance's."""
+        merged: dict[str, str] = {}
+        for name in self.files(role, index):
+            merged.update(self.values(name))
         return merged
 
-    def knobs(self, role: str) -> dict[str, str]:
-        return {k: v for k, v in self.role_env(role).items() if is_knob(k)}
+    def origin(self, role: str, index: int | None, key: str) -> str:
+        """FILE:LINE of the line that sets key for this instance (the last one read)."""
+        where = key
+        for name in self.files(role, index):
+            for line in self.lines[name]:
+                if line.key == key:
+                    where = f"{line.path}:{line.number}: {key}"
+        return where
+
+    def knobs(self, role: str, index: int | None = None) -> dict[str, str]:
+        return {k: v for k, v in self.role_env(role, index).items() if is_knob(k)}
 
     def secrets(self) -> list[str]:
         found = []
@@ -154,6 +176,12 @@ class EnvDir:
 
     def redactor(self) -> Redactor:
         return Redactor(self.secrets())
+
+
+def instance_files(env_dir: Path) -> tuple[str, ...]:
+    return tuple(
+        sorted(p.name for p in Path(env_dir).glob("*.env") if INSTANCE_FILE_RE.match(p.name))
+    )
 
 
 class Redactor:
@@ -251,7 +279,7 @@ def check(env_dir: Path) -> tuple[list[str], list[str]]:
     problems: list[str] = []
     notes: list[str] = []
     present = []
-    for name in FILES:
+    for name in FILES + instance_files(env_dir):
         path = Path(env_dir) / name
         if not path.is_file():
             problems.append(f"{path}: missing")
@@ -280,6 +308,10 @@ def check(env_dir: Path) -> tuple[list[str], list[str]]:
             if error:
                 problems.append(f"{where}: {error}")
     if not problems:
+        from .stack import topology_problems
+
+        problems += topology_problems(EnvDir(env_dir), notes)
+    if not problems:
         _check_engine_args(Path(env_dir), present, problems, notes)
     return problems, notes
 
@@ -293,23 +325,25 @@ def _check_engine_args(env_dir: Path, present, problems: list[str], notes: list[
         notes.append("engine flags not checked: sglang is not installed for this Python")
         return
     notes.append("engine command lines checked with sglang.launch_server's parser")
+    env = EnvDir(env_dir)
     for role in ("prefill", "decode"):
-        values = {}
-        for lines in present:
-            if lines and lines[0].path.name in ("common.env", f"{role}.env"):
-                for line in lines:
+        for index in env.instances(role) or [None]:
+            name = role if index is None else f"{role}/{index}"
+            values = {}
+            for file in env.files(role, index):
+                for line in env.lines[file]:
                     values[line.key] = (str(line.path), line.number, line.value)
-        try:
-            argv = engine_args.engine_argv(env_dir, role)
-        except engine_args.EngineArgsError as exc:
-            problems.append(f"launch/{role}.sh --dry-run: {exc}")
-            continue
-        for flag, message in engine_args.refusals(argv, table):
-            where = engine_args.origin(flag, role, values)
-            problems.append(
-                f"{where}: {flag or 'the command line'}: sglang.launch_server would refuse "
-                f"it in the {role} engine's command line ({message})"
-            )
+            try:
+                argv = engine_args.engine_argv(env_dir, role, index)
+            except engine_args.EngineArgsError as exc:
+                problems.append(f"launch/{role}.sh --dry-run ({name}): {exc}")
+                continue
+            for flag, message in engine_args.refusals(argv, table):
+                where = engine_args.origin(flag, role, values)
+                problems.append(
+                    f"{where}: {flag or 'the command line'}: sglang.launch_server would refuse "
+                    f"it in the {name} engine's command line ({message})"
+                )
 
 
 # --- diff, snapshots ------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import urllib.error
 import urllib.request
@@ -37,12 +38,23 @@ def from_root(value: str) -> Path:
 
 @dataclass(frozen=True)
 class Role:
+    """One process pd runs: an engine instance (prefill/2) or the router."""
+
     name: str
     host: str
     port: int
     health_path: str
     health_timeout_s: float
     script: Path
+    kind: str = ""
+    index: int | None = None
+    bootstrap_port: int | None = None
+    local: bool = True
+
+    @property
+    def key(self) -> str:
+        """File-safe name: pid file, log and systemd unit (decode, or decode-2 of several)."""
+        return self.name.replace("/", "-")
 
     @property
     def url(self) -> str:
@@ -51,6 +63,26 @@ class Role:
     @property
     def health_url(self) -> str:
         return self.url + self.health_path
+
+
+def this_host() -> tuple[str, set[str]]:
+    """How pd names this host, and the instance hosts that are this host.
+
+    PD_HOST (pd's own environment) names this host exactly; without it, loopback addresses
+    and this machine's host names count as here."""
+    pinned = os.environ.get("PD_HOST", "")
+    if pinned:
+        return f"PD_HOST={pinned}", {pinned}
+    name = socket.gethostname()
+    return f"host {name}", {name, socket.getfqdn(), "localhost", "::1"}
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def is_local(host: str) -> bool:
+    return host in this_host()[1] or (not os.environ.get("PD_HOST") and is_loopback(host))
 
 
 @dataclass(frozen=True)
@@ -64,11 +96,49 @@ class Stack:
     unit_prefix: str
     systemctl_timeout_s: float
     api_key: str
+    here: str = ""
 
     def role(self, name: str) -> Role:
         if name not in self.roles:
-            raise EnvFileError(f"unknown role {name!r}; roles are {', '.join(ROLES)}")
+            raise EnvFileError(f"unknown instance {name!r}; this stack has {', '.join(self.roles)}")
         return self.roles[name]
+
+    def of_kind(self, kind: str) -> list[Role]:
+        return [r for r in self.roles.values() if r.kind == kind]
+
+    @property
+    def several(self) -> bool:
+        """Instance files exist: the router takes its workers from the discovery file."""
+        return any(self.env.instances(kind) for kind in ("prefill", "decode"))
+
+    @property
+    def workers_file(self) -> Path:
+        return self.run_dir / "router-workers.json"
+
+    def select(self, targets: list[str]) -> list[Role]:
+        """Instances named by ROLE/N, ROLE (all its instances) or nothing (all), in start
+        order: prefills, decodes, router."""
+        if not targets:
+            return list(self.roles.values())
+        chosen = set()
+        for target in targets:
+            kind = target.split("/", 1)[0]
+            if kind not in ROLES:
+                raise EnvFileError(
+                    f"unknown role in {target!r}; address ROLE, ROLE/N or nothing (all); "
+                    f"roles are {', '.join(ROLES)}"
+                )
+            # decode/1 also names the one instance of a role without instance files.
+            found = [
+                r
+                for r in self.of_kind(kind)
+                if "/" not in target or target in (r.name, f"{kind}/{r.index or 1}")
+            ]
+            if not found:
+                have = ", ".join(r.name for r in self.of_kind(kind))
+                raise EnvFileError(f"no instance {target}; {kind} has {have}")
+            chosen.update(r.name for r in found)
+        return [r for r in self.roles.values() if r.name in chosen]
 
 
 def _number(env: dict[str, str], key: str, default: float, kind=float) -> float:
@@ -84,31 +154,45 @@ def _number(env: dict[str, str], key: str, default: float, kind=float) -> float:
     return value
 
 
+def _instance(env: EnvDir, kind: str, index: int | None, sim: bool, timeout_override) -> Role:
+    values = env.role_env(kind, index)
+    upper = kind.upper()
+    where = env.path / (f"{kind}.{index}.env" if index is not None else "")
+    keys = [f"{upper}_HOST", f"{upper}_PORT"] + (["PREFILL_BOOTSTRAP_PORT"] * (kind == "prefill"))
+    for key in keys:
+        if not values.get(key):
+            raise EnvFileError(f"{key} is not set in {where}")
+    timeout = _number(values, f"{upper}_HEALTH_TIMEOUT_S", 1200.0)
+    if sim:
+        timeout = min(timeout, SIM_HEALTH_TIMEOUT_S)
+    if timeout_override is not None:
+        timeout = timeout_override
+    bootstrap = values.get("PREFILL_BOOTSTRAP_PORT") if kind == "prefill" else None
+    return Role(
+        name=kind if index is None else f"{kind}/{index}",
+        host=values[f"{upper}_HOST"],
+        port=int(_number(values, f"{upper}_PORT", 0, int)),
+        # The router's /health answers before it has workers; /readiness waits for them.
+        health_path="/readiness" if kind == "router" else "/health",
+        health_timeout_s=timeout,
+        script=ROOT / "launch" / f"{kind}.sh",
+        kind=kind,
+        index=index,
+        bootstrap_port=int(_number(values, "PREFILL_BOOTSTRAP_PORT", 0, int))
+        if bootstrap
+        else None,
+        local=is_local(values[f"{upper}_HOST"]),
+    )
+
+
 def load_stack(env_dir: Path, sim: bool, timeout_override: float | None = None) -> Stack:
     env = EnvDir(env_dir)
     common = env.common()
     roles = {}
-    for name in ROLES:
-        values = env.role_env(name)
-        upper = name.upper()
-        for key in (f"{upper}_HOST", f"{upper}_PORT"):
-            if not values.get(key):
-                raise EnvFileError(f"{key} is not set in {env_dir}")
-        port = int(_number(values, f"{upper}_PORT", 0, int))
-        timeout = _number(values, f"{upper}_HEALTH_TIMEOUT_S", 1200.0)
-        if sim:
-            timeout = min(timeout, SIM_HEALTH_TIMEOUT_S)
-        if timeout_override is not None:
-            timeout = timeout_override
-        roles[name] = Role(
-            name=name,
-            host=values[f"{upper}_HOST"],
-            port=port,
-            # The router's /health answers before it has workers; /readiness waits for them.
-            health_path="/readiness" if name == "router" else "/health",
-            health_timeout_s=timeout,
-            script=ROOT / "launch" / f"{name}.sh",
-        )
+    for kind in ROLES:
+        for index in env.instances(kind) or [None]:
+            role = _instance(env, kind, index, sim, timeout_override)
+            roles[role.name] = role
     supervisor = common.get("PD_SUPERVISOR", "local") or "local"
     if supervisor not in ("local", "systemd"):
         raise EnvFileError(f"PD_SUPERVISOR={supervisor!r}: must be local or systemd")
@@ -122,7 +206,61 @@ def load_stack(env_dir: Path, sim: bool, timeout_override: float | None = None) 
         unit_prefix=common.get("PD_UNIT_PREFIX") or "sm120pd",
         systemctl_timeout_s=_number(common, "PD_SYSTEMCTL_TIMEOUT_S", 90.0),
         api_key=common.get("API_KEY", ""),
+        here=this_host()[0],
     )
+
+
+def topology_problems(env: EnvDir, notes: list[str]) -> list[str]:
+    """Ports unique per host, every decode able to reach every prefill's bootstrap port (smg
+    pairs any prefill with any decode), host names that resolve."""
+    try:
+        stack = load_stack(env.path, sim=False)
+    except EnvFileError as exc:
+        return [str(exc)]
+    problems = []
+    addresses: dict[str, str] = {}
+    for role in stack.roles.values():
+        if role.host in addresses:
+            continue
+        try:
+            addresses[role.host] = socket.getaddrinfo(role.host, None)[0][4][0]
+        except OSError as exc:
+            where = env.origin(role.kind, role.index, f"{role.kind.upper()}_HOST")
+            problems.append(f"{where}: host {role.host!r} of {role.name} does not resolve ({exc})")
+    taken: dict[tuple[str, int], str] = {}
+    prometheus = env.role_env("router").get("ROUTER_PROMETHEUS_PORT", "")
+    for role in stack.roles.values():
+        upper = role.kind.upper()
+        ports = [(f"{upper}_PORT", role.port), ("PREFILL_BOOTSTRAP_PORT", role.bootstrap_port)]
+        if role.kind == "router" and prometheus.isdigit():
+            ports.append(("ROUTER_PROMETHEUS_PORT", int(prometheus)))
+        for key, port in ports:
+            if port is None:
+                continue
+            place = (addresses.get(role.host, role.host), port)
+            if place in taken:
+                problems.append(
+                    f"{env.origin(role.kind, role.index, key)}: port {port} on {role.host} is "
+                    f"already {taken[place]}; every port must be unique per host"
+                )
+            else:
+                taken[place] = f"{role.name}'s {key}"
+    prefills, decodes = stack.of_kind("prefill"), stack.of_kind("decode")
+    for decode in decodes:
+        for prefill in prefills:
+            if is_loopback(prefill.host) and not is_loopback(decode.host):
+                problems.append(
+                    f"{env.origin('prefill', prefill.index, 'PREFILL_HOST')}: {prefill.name} "
+                    f"listens on loopback {prefill.host}, so {decode.name} on {decode.host} "
+                    f"cannot reach its bootstrap port {prefill.bootstrap_port} (the router may "
+                    "pair any prefill with any decode)"
+                )
+    if stack.several:
+        notes.append(
+            f"topology: {len(prefills)} prefill and {len(decodes)} decode instance(s); the "
+            f"router takes its workers from {stack.workers_file}"
+        )
+    return problems
 
 
 @dataclass(frozen=True)

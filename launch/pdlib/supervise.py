@@ -54,7 +54,8 @@ def tail(path: Path, lines: int) -> list[str]:
 
 
 class LocalSupervisor:
-    """Each role is a process group started detached; pid file and log under the run dir."""
+    """Each instance is a process group started detached; pid file and log under the run dir,
+    named by its key (decode, or decode-2 for instance 2 of several)."""
 
     kind = "local"
 
@@ -95,7 +96,7 @@ class LocalSupervisor:
         return State(False, None, "not running")
 
     def start(self, role: Role) -> State:
-        current = self.state(role.name)
+        current = self.state(role.key)
         if current.running:
             raise SuperviseError(f"{role.name} already running (pid {current.pid})")
         owner = port_owner(role.port)
@@ -108,9 +109,11 @@ class LocalSupervisor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.chmod(0o700)
         cmd = [str(role.script), "--env-dir", str(self.env_dir)]
+        if role.index is not None:
+            cmd += ["--instance", str(role.index)]
         if self.stack.sim:
             cmd.append("--sim")
-        fd = os.open(self.log_file(role.name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(self.log_file(role.key), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.fchmod(fd, 0o600)
         log = os.fdopen(fd, "ab")
         log.write(
@@ -132,13 +135,13 @@ class LocalSupervisor:
             "create_time": psutil.Process(proc.pid).create_time(),
             "sim": self.stack.sim,
         }
-        self.pid_file(role.name).write_text(json.dumps(record) + "\n")
+        self.pid_file(role.key).write_text(json.dumps(record) + "\n")
         return State(True, proc.pid, f"started, pid {proc.pid}")
 
     def stop(self, role: Role) -> State:
-        proc = self._recorded(role.name)
+        proc = self._recorded(role.key)
         if proc is None:
-            self.pid_file(role.name).unlink(missing_ok=True)
+            self.pid_file(role.key).unlink(missing_ok=True)
             return State(False, None, "was not running")
         group = [proc] + proc.children(recursive=True)
         try:
@@ -157,7 +160,7 @@ class LocalSupervisor:
             detail += (
                 f" (killed {len(alive)} process(es) still alive after {self.stop_grace_s:g} s)"
             )
-        self.pid_file(role.name).unlink(missing_ok=True)
+        self.pid_file(role.key).unlink(missing_ok=True)
         owner = port_owner(role.port)
         if owner is not None:
             raise SuperviseError(
@@ -232,7 +235,8 @@ def sweep(run_dir: Path, marker: Path) -> int:
 
 
 class SystemdSupervisor:
-    """Each role is the unit PREFIX-ROLE.service (templates in launch/systemd/)."""
+    """Each instance is the unit PREFIX-KEY.service (templates in launch/systemd/): KEY is the
+    role, or ROLE-N for instance N of several."""
 
     kind = "systemd"
 
@@ -272,11 +276,11 @@ class SystemdSupervisor:
 
     def _drive(self, verb: str, role: Role) -> State:
         try:
-            done = self._systemctl(verb, self.unit(role.name))
+            done = self._systemctl(verb, self.unit(role.key))
         except subprocess.TimeoutExpired:
             # A slow systemctl is not a failed unit: look at the unit before deciding anything,
             # and never issue the command a second time.
-            now = self.state(role.name)
+            now = self.state(role.key)
             if (verb == "stop") != now.running:
                 return State(
                     now.running,
@@ -285,15 +289,15 @@ class SystemdSupervisor:
                     f"{now.detail}, carrying on",
                 )
             raise SuperviseError(
-                f"systemctl {verb} {self.unit(role.name)} timed out after {self.timeout_s:g} s "
+                f"systemctl {verb} {self.unit(role.key)} timed out after {self.timeout_s:g} s "
                 f"and the unit is {now.detail}"
             ) from None
         if done.returncode != 0:
             raise SuperviseError(
-                f"systemctl {verb} {self.unit(role.name)} exited {done.returncode}: "
+                f"systemctl {verb} {self.unit(role.key)} exited {done.returncode}: "
                 f"{(done.stderr or done.stdout).strip()}"
             )
-        now = self.state(role.name)
+        now = self.state(role.key)
         return State(now.running, now.pid, f"systemctl {verb}: {now.detail}")
 
     def start(self, role: Role) -> State:
@@ -321,13 +325,12 @@ class SystemdSupervisor:
         return (done.stdout or done.stderr).splitlines()[-lines:]
 
 
-# What launch/lib.sh writes for a role when API_KEY is set (0600, under PD_RUN_DIR/secrets).
-SECRET_FILES = {"prefill": "prefill.yaml", "decode": "decode.yaml", "router": "router.key"}
-
-
-def remove_secret(run_dir: Path, role: str) -> bool:
-    """Remove the role's secret file, once its process is down; True when there was one."""
-    path = Path(run_dir) / "secrets" / SECRET_FILES[role]
+def remove_secret(run_dir: Path, role: Role) -> bool:
+    """Remove the file launch/lib.sh wrote the API key to for this role (0600, under
+    PD_RUN_DIR/secrets: KEY.yaml for an engine, router.key), once its process is down; True
+    when there was one."""
+    name = f"{role.key}.key" if role.kind == "router" else f"{role.key}.yaml"
+    path = Path(run_dir) / "secrets" / name
     try:
         path.unlink()
     except FileNotFoundError:
