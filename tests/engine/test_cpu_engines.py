@@ -433,7 +433,9 @@ def test_greedy_output_through_pd_equals_a_standalone_engine(cpu_stack, tmp_path
     decode used is the KV prefill computed, moved intact."""
     through_pd = cpu_stack.post("/generate", GREEDY)["output_ids"]
     (port,) = free_loopback_ports(1)
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="0")
+    # The environment the PD engines get from common.env (SGLANG_HOST_IP among it: without it
+    # sglang looks for its outward address, and on a machine with no route out that took 2 min).
+    env = dict(os.environ, **envfiles.EnvDir(cpu_stack.env_dir).common())
     log = (tmp_path / "standalone.log").open("wb")
     server = subprocess.Popen(
         [
