@@ -98,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--env-dir", type=Path, default=ROOT / "env", help="the stack's env dir")
+    parser.add_argument(
+        "--env-dir",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="the stack's env dir (default: this checkout's env/)",
+    )
     parser.add_argument("--sim", action="store_true", help="pass --sim to launch/pd")
     parser.add_argument(
         "--verb",
@@ -107,14 +112,24 @@ def main(argv: list[str] | None = None) -> int:
         metavar="'VERB [ARGS]'",
         help="launch/pd command to run under load, e.g. 'co-restart' or 'rolling-restart "
         "decode'; repeat to run several one after the other (default: co-restart)",
+        default=argparse.SUPPRESS,
     )
     parser.add_argument("--concurrency", type=int, default=16, help="requests kept in flight")
     parser.add_argument("--output-tokens", type=int, default=32, help="max_tokens per request")
-    parser.add_argument("--request-timeout-s", type=float, default=60.0)
-    parser.add_argument("--max-requests", type=int, default=100_000)
-    parser.add_argument("--command-timeout-s", type=float, default=900.0)
-    parser.add_argument("--api-key", help="Bearer key (default: API_KEY of --env-dir)")
+    parser.add_argument(
+        "--request-timeout-s", type=float, default=60.0, help="seconds one request may take"
+    )
+    parser.add_argument(
+        "--max-requests", type=int, default=100_000, help="requests sent at most, in all"
+    )
+    parser.add_argument(
+        "--command-timeout-s", type=float, default=900.0, help="seconds each command may take"
+    )
+    parser.add_argument(
+        "--api-key", default=argparse.SUPPRESS, help="Bearer key (default: API_KEY of --env-dir)"
+    )
     args = parser.parse_args(argv)
+    args.env_dir = getattr(args, "env_dir", ROOT / "env")
     for name in ("concurrency", "output_tokens", "max_requests"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -124,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
 
     stack = load_stack(args.env_dir, args.sim)
     url = stack.role("router").url
-    api_key = resolve_api_key(args.api_key, args.env_dir)
+    api_key = resolve_api_key(getattr(args, "api_key", None), args.env_dir)
     rc = 0
-    for verb in args.verbs or ["co-restart"]:
+    for verb in getattr(args, "verbs", None) or ["co-restart"]:
         command = [str(ROOT / "launch" / "pd"), *verb.split(), "--env-dir", str(args.env_dir)]
         command += ["--sim"] if args.sim else []
         print(f"running `launch/pd {verb}` under C={args.concurrency} load ...", flush=True)
