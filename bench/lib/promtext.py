@@ -14,6 +14,11 @@ QUEUED = (
 )
 GEN_THROUGHPUT = "sglang:gen_throughput"
 GEN_TOKENS = "sglang:generation_tokens_total"
+# Prefill makes no generation tokens in PD; these move when it works. SGLang counts prompt tokens
+# as requests finish and "realtime" tokens (modes prefill_compute, prefill_cache, decode) on each
+# logged batch; the sim counts prompt tokens as a prefill starts.
+PROMPT_TOKENS = "sglang:prompt_tokens_total"
+REALTIME_TOKENS = "sglang:realtime_tokens_total"
 
 
 def parse(text: str) -> dict[str, float]:
@@ -30,4 +35,6 @@ def load_of(metrics: dict[str, float]) -> dict[str, float | None]:
         "queued": sum(queued) if queued else None,
         "gen_throughput": metrics.get(GEN_THROUGHPUT),
         "generation_tokens_total": metrics.get(GEN_TOKENS),
+        "prompt_tokens_total": metrics.get(PROMPT_TOKENS),
+        "realtime_tokens_total": metrics.get(REALTIME_TOKENS),
     }

@@ -78,14 +78,24 @@ class EngineLoad:
 
     @property
     def producing(self) -> bool | None:
-        """Whether tokens came out during the window; None when no metric tells."""
-        thr = self._max("gen_throughput")
-        b, a = self.before.get("generation_tokens_total"), self.after.get("generation_tokens_total")
+        """Whether the engine made progress during the window: tokens came out (generation,
+        prompt or realtime counters, or a nonzero throughput gauge), or requests left it (running
+        plus queued went down). None when no metric tells.
+
+        A prefill engine in PD makes no generation tokens, so the generation counters alone
+        would call a busy prefill stalled while it hands requests on to decode."""
         signals = []
+        thr = self._max("gen_throughput")
         if thr is not None:
             signals.append(thr > 0)
-        if b is not None and a is not None:
-            signals.append(a > b)
+        for key in ("generation_tokens_total", "prompt_tokens_total", "realtime_tokens_total"):
+            b, a = self.before.get(key), self.after.get(key)
+            if b is not None and a is not None:
+                signals.append(a > b)
+        work = [(p.get("running"), p.get("queued")) for p in (self.before, self.after)]
+        if all(r is not None and q is not None for r, q in work):
+            (rb, qb), (ra, qa) = work
+            signals.append(ra + qa < rb + qb)
         return any(signals) if signals else None
 
     def describe(self) -> str:
@@ -144,7 +154,11 @@ def decide(probes: list[Probe], engines: list[EngineLoad], fast_s: float) -> Ver
     stalled = [e for e in busy if e.producing is False]
     if stalled:
         roles = ", ".join(e.role for e in stalled)
-        return out(STALLED, f"requests are on {roles} but no tokens were produced in the window")
+        return out(
+            STALLED,
+            f"requests are on {roles} but it made no progress in the window: "
+            "no tokens counted and no request left it",
+        )
     if any(e.producing for e in busy) and (
         len(fast) < len(probes) or any(e.queue_growing or e._max("queued") for e in busy)
     ):

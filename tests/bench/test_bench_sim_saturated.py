@@ -125,11 +125,10 @@ def test_slow_decode_under_load_is_engine_saturated_not_connection(tmp_path):
     assert all(o.success and o.output_tokens == MAX_TOKENS for o in outputs), [
         o.error for o in outputs if not o.success
     ]
-    assert idle == {
+    assert {k: idle[k] for k in ("running", "queued", "gen_throughput")} == {
         "running": 0.0,
         "queued": 0.0,
         "gen_throughput": 0.0,
-        "generation_tokens_total": idle["generation_tokens_total"],
     }
     assert idle["generation_tokens_total"] >= REQUESTS * MAX_TOKENS
     assert stderr == ""

@@ -21,6 +21,8 @@ def test_prometheus_text_is_summed_per_metric():
         "queued": 4.0,
         "gen_throughput": 812.5,
         "generation_tokens_total": 10234.0,
+        "prompt_tokens_total": None,
+        "realtime_tokens_total": None,
     }
 
 
@@ -73,6 +75,59 @@ def test_queued_requests_without_tokens_are_a_stalled_engine():
     v = decide(SLOW, _engines(_load(8, 2, 1000, thr=0.0), _load(8, 3, 1000, thr=0.0)), fast_s=2.0)
     assert v.verdict == STALLED
     assert "decode" in v.reason
+
+
+def _prefill(before, after):
+    """A prefill server's load: no generation tokens; prompt tokens as given."""
+    return EngineLoad(
+        "prefill", "http://127.0.0.1:1", True, window_s=1.0, before=before, after=after
+    )
+
+
+def _prefill_load(running, queued, prompt=None, realtime=None):
+    return {
+        "running": running,
+        "queued": queued,
+        "gen_throughput": 0.0,
+        "generation_tokens_total": 0.0,
+        "prompt_tokens_total": prompt,
+        "realtime_tokens_total": realtime,
+    }
+
+
+def test_a_prefill_handing_requests_on_is_not_stalled():
+    # Recorded from a sim stack with decode saturated: prefill's one request left it within the
+    # window, and a prefill server makes no generation tokens at all.
+    decode = EngineLoad(
+        "decode",
+        "http://127.0.0.1:2",
+        True,
+        window_s=1.0,
+        before=_load(8, 12, 54, thr=75.52),
+        after=_load(8, 24, 126, thr=75.38),
+    )
+    v = decide(SLOW, [_prefill(_prefill_load(1, 0), _prefill_load(0, 0)), decode], fast_s=1.0)
+    assert v.verdict == SATURATED, v.reason
+
+
+def test_prefill_progress_is_read_from_prompt_and_realtime_counters():
+    for before, after in [
+        (_prefill_load(2, 3, prompt=100), _prefill_load(2, 3, prompt=164)),
+        (_prefill_load(2, 3, realtime=100), _prefill_load(2, 3, realtime=612)),
+    ]:
+        v = decide(
+            SLOW, [_prefill(before, after), _engines(_load(0, 0, 0), _load(0, 0, 0))[1]], 2.0
+        )
+        assert v.verdict != STALLED, (before, after, v.reason)
+
+
+def test_a_busy_prefill_with_no_counter_moving_is_stalled():
+    before = _prefill_load(2, 3, prompt=100, realtime=400)
+    v = decide(
+        SLOW, [_prefill(before, dict(before)), _engines(_load(0, 0, 0), _load(0, 0, 0))[1]], 2.0
+    )
+    assert v.verdict == STALLED
+    assert v.reason.startswith("requests are on prefill but it made no progress")
 
 
 def test_unreadable_metrics_are_inconclusive_not_a_guess():
