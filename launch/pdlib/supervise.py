@@ -105,7 +105,8 @@ class LocalSupervisor:
                 f"{role.name}: port {role.port} is already held by {describe_pid(owner)}; "
                 "not starting a second server"
             )
-        # Private: sglang writes its server_args, API key included, to the log at start-up.
+        # Private: patch 0009 redacts the key in sglang's start-up server_args line, but a
+        # failing process may print more than that.
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.chmod(0o700)
         cmd = [str(role.script), "--env-dir", str(self.env_dir)]

@@ -1,4 +1,4 @@
-"""Real sglang engines on CPU through the normal launch path: env/cpu, patches 0006 to 0008.
+"""Real sglang engines on CPU through the normal launch path: env/cpu, patches 0006 to 0009.
 
 One real stack per module (prefill and decode are `python -m sglang.launch_server` from our
 patched wheel on the CPU, KV moving between them over NIXL on loopback, the real smg router in
@@ -176,8 +176,14 @@ def test_the_api_key_is_on_no_command_line_and_in_private_files_only(cpu_stack):
     ]
     for path in [*secrets_dir.iterdir(), *cpu_stack.run_dir.glob("*.log")]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
-    # sglang logs its server_args, the key among them: the run dir is the user's alone.
+    # The run dir is the user's alone, and the server_args line sglang logs at start-up names
+    # the key redacted (patch 0009), so no log holds it.
     assert stat.S_IMODE(cpu_stack.run_dir.stat().st_mode) == 0o700
+    for role in ("prefill", "decode"):
+        log = (cpu_stack.run_dir / f"{role}.log").read_text(errors="replace")
+        assert "'api_key': '<redacted>'" in log, log[-2000:]
+    for path in cpu_stack.run_dir.glob("*.log"):
+        assert cpu_stack.key not in path.read_text(errors="replace"), path
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(
             urllib.request.Request(
