@@ -342,7 +342,11 @@ def test_prefill_frozen_decode_fails_the_room_after_its_waiting_timeout(cpu_stac
         call.join(WAITING_TIMEOUT_S + 40)
         assert not call.is_alive(), "decode did not fail the request while prefill was frozen"
         assert call.status == 500, (call.status, call.text)
-        waited = re.search(r"timed out after ([\d.]+)s in KVPoll.WaitingForInput", call.text)
+        waited = re.search(
+            r"timed out after ([\d.]+)s in KVPoll.WaitingForInput; "
+            rf"bounded by SGLANG_DISAGGREGATION_WAITING_TIMEOUT={WAITING_TIMEOUT_S}\b",
+            call.text,
+        )
         assert waited, call.text
         assert float(waited.group(1)) >= WAITING_TIMEOUT_S
         decode = _wait_idle(cpu_stack, "decode")

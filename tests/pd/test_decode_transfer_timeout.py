@@ -89,4 +89,6 @@ def test_prefill_that_never_completes_fails_on_the_upstream_waiting_timeout(tran
     assert queue.free_counts() == before
     message = decode_req.req.finished_reason.message
     assert "KVPoll.WaitingForInput" in message and "timed out" in message
+    # Patch 0010: the message names the variable that bounds the wait, and its value.
+    assert message.endswith(f"bounded by SGLANG_DISAGGREGATION_WAITING_TIMEOUT={WAITING_TIMEOUT_S}")
     assert queue.scheduler.metrics_collector.transfer_failed == 1

@@ -76,6 +76,10 @@ def test_bootstrapping_sender_still_follows_the_bootstrap_timeout(
     message = req.finished_reason.message
     assert "KVPoll.Bootstrapping" in message
     assert ENV_NAME not in message
+    # Patch 0010: the message names the variable that bounds bootstrapping, and its value.
+    assert message.endswith(
+        f"bounded by SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT={BOOTSTRAP_TIMEOUT_S}"
+    )
     assert scheduler.disagg_prefill_inflight_queue == []
     assert scheduler.metrics_collector.bootstrap_failed == 1
 
