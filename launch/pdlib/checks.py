@@ -304,7 +304,11 @@ def _load_text(values) -> str:
         return values
     running = values.get("sglang:num_running_reqs")
     queued = values.get("sglang:num_queue_reqs")
-    return f"running={running:g} queued={queued:g}" if running is not None else "no load gauges"
+    if running is None:
+        # sglang's load gauges carry labels, so /metrics lists them only once they are first set:
+        # when the scheduler logs the stats of its first batch of that kind.
+        return "load gauges not published yet (sglang sets them with its first batch's stats)"
+    return f"running={running:g} queued={'n/a' if queued is None else f'{queued:g}'}"
 
 
 def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[str]]:
