@@ -1,9 +1,10 @@
 """Triage: is a stuck client request the connection layer's fault or the engines'?
 
-Measures, then decides. Measurements: engine load from prefill and decode /metrics, sampled twice
-a window apart; one request over a fresh connection to the client's URL; the same directly to
-the router when that is a different URL. The decision (`decide`) is a pure function of those
-facts so it can be tested on recorded numbers.
+Measures, then decides. Measurements: engine load from every prefill and decode instance's
+/metrics, sampled twice a window apart, and whether each answers /health; one request over a
+fresh connection to the client's URL; the same directly to the router when that is a different
+URL; and, when an engine did not answer, how the router lists it (GET /workers). The decision
+(`decide`) is a pure function of those facts so it can be tested on recorded numbers.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ from bench.lib.client import (
     stream_chat,
 )
 from bench.lib.stack import Stack, add_stack_args, stack_from_args
+from launch.pdlib.unresponsive import UNRESPONSIVE, Silent, no_answer, reason, router_view
 
 CONNECTION = "connection layer between client and router"
 SATURATED = "engine saturated"
 STALLED = "engine stalled"
 INCONCLUSIVE = "inconclusive"
+VERDICTS = (UNRESPONSIVE, STALLED, SATURATED, CONNECTION, INCONCLUSIVE)
 
 
 @dataclass
@@ -43,6 +46,8 @@ class Probe:
     latency_s: float
     tokens: int = 0
     error: str = ""
+    # The HTTP status the server answered with; 0 when none came (timeout, refused).
+    status: int = 0
 
     def describe(self) -> str:
         if self.ok:
@@ -55,13 +60,17 @@ class Probe:
 
 @dataclass
 class EngineLoad:
-    role: str
+    role: str  # the instance: prefill, decode, or decode/2 of several
     url: str
     ok: bool
     error: str = ""
     window_s: float = 0.0
     before: dict[str, float | None] = field(default_factory=dict)
     after: dict[str, float | None] = field(default_factory=dict)
+    # Endpoints that gave no answer at all, each as unresponsive.no_answer() words.
+    no_answer: list[str] = field(default_factory=list)
+    # What /health answered ("HTTP 200 in 0.004 s"); "" when it was not asked.
+    health: str = ""
 
     def _max(self, key: str) -> float | None:
         vals = [v for v in (self.before.get(key), self.after.get(key)) if v is not None]
@@ -99,8 +108,11 @@ class EngineLoad:
         return any(signals) if signals else None
 
     def describe(self) -> str:
+        if self.no_answer:
+            return f"{self.role} {self.url}: " + "; ".join(self.no_answer)
+        health = f"; /health: {self.health}" if self.health else ""
         if not self.ok:
-            return f"{self.role} {self.url}/metrics: unreadable: {self.error}"
+            return f"{self.role} {self.url}/metrics: unreadable: {self.error}{health}"
 
         def fmt(key: str) -> str:
             b, a = self.before.get(key), self.after.get(key)
@@ -110,7 +122,7 @@ class EngineLoad:
         return (
             f"{self.role} {self.url}: running {fmt('running')}, queued {fmt('queued')}, "
             f"gen_throughput {fmt('gen_throughput')} tok/s, generation_tokens_total "
-            f"{fmt('generation_tokens_total')} over {self.window_s:.1f} s"
+            f"{fmt('generation_tokens_total')} over {self.window_s:.1f} s{health}"
         )
 
 
@@ -121,26 +133,76 @@ class Verdict:
     evidence: list[str]
     # The same facts as numbers (probes and engine samples), for --json readers.
     measurements: dict = field(default_factory=dict)
+    # The router's own statements about the engines it could not use, where it made some.
+    router: list[str] = field(default_factory=list)
 
     def render(self) -> str:
-        lines = [f"triage verdict: {self.verdict}", f"because: {self.reason}", "evidence:"]
-        lines += [f"  - {e}" for e in self.evidence]
+        lines = [f"triage verdict: {self.verdict}", f"because: {self.reason}"]
+        if self.router:
+            lines += ["the router says:", *(f"  - {r}" for r in self.router)]
+        lines += ["evidence:", *(f"  - {e}" for e in self.evidence)]
         return "\n".join(lines)
 
 
-def decide(probes: list[Probe], engines: list[EngineLoad], fast_s: float) -> Verdict:
+def _router_says(
+    probes: list[Probe], silent: list[EngineLoad], workers: dict[str, dict] | str | None
+) -> tuple[bool, list[str]]:
+    """Whether the router answered at all, and its own statements: the error it gave the probe
+    and how it lists each silent engine. The last probe is the router's (the client URL is)."""
+    said = []
+    router = probes[-1] if probes else None
+    answered = bool(router and router.status)
+    if router and router.status and not router.ok:
+        said.append(f"to the probe: {router.error}")
+    if isinstance(workers, dict):
+        answered = True
+        for e in silent:
+            said.append(f"{e.role}: {router_view(workers.get(e.url.rstrip('/')))}")
+    elif isinstance(workers, str):
+        said.append(f"nothing about its workers: {workers}")
+    return answered, said
+
+
+def decide(
+    probes: list[Probe],
+    engines: list[EngineLoad],
+    fast_s: float,
+    router_workers: dict[str, dict] | str | None = None,
+) -> Verdict:
+    """router_workers: the router's GET /workers by engine URL, or why it could not be read;
+    None when it was not asked (every engine answered)."""
     evidence = [p.describe() for p in probes] + [e.describe() for e in engines]
     measurements = {
         "fast_s": fast_s,
         "probes": [asdict(p) for p in probes],
         "engines": [asdict(e) for e in engines],
+        "router_workers": router_workers,
     }
 
-    def out(verdict: str, reason: str) -> Verdict:
-        return Verdict(verdict, reason, evidence, measurements)
+    def out(verdict: str, reason: str, router: list[str] | None = None) -> Verdict:
+        return Verdict(verdict, reason, evidence, measurements, router or [])
 
-    if not engines or not all(e.ok for e in engines):
-        return out(INCONCLUSIVE, "engine load could not be read from both prefill and decode")
+    if not engines:
+        return out(
+            INCONCLUSIVE, "no engine URL to read: give --env-dir or --prefill-url/--decode-url"
+        )
+    silent = [e for e in engines if e.no_answer]
+    if silent:
+        answering = [e.role for e in engines if not e.no_answer]
+        router_answered, router = _router_says(probes, silent, router_workers)
+        because = reason([Silent(e.role, e.url, tuple(e.no_answer)) for e in silent], answering)
+        if answering or router_answered:
+            return out(UNRESPONSIVE, because, router)
+        return out(
+            INCONCLUSIVE, f"nothing in the stack answered, the router included: {because}", router
+        )
+    unreadable = [e for e in engines if not e.ok]
+    if unreadable:
+        names = ", ".join(e.role for e in unreadable)
+        return out(
+            INCONCLUSIVE,
+            f"engine load could not be read from {names}: it answered, but not with load",
+        )
     fast = [p for p in probes if p.ok and p.latency_s < fast_s]
     busy = [e for e in engines if e.busy]
     if not busy:
@@ -190,7 +252,19 @@ async def _probe(name: str, url: str, model: str, timeout_s: float, api_key: str
                 time.perf_counter() - start,
                 error=f"no complete answer within {timeout_s:g} s",
             )
-    return Probe(name, url, result.success, result.latency_s, result.output_tokens, result.error)
+    return Probe(
+        name,
+        url,
+        result.success,
+        result.latency_s,
+        result.output_tokens,
+        result.error,
+        result.status,
+    )
+
+
+# No answer at all, as opposed to an answer that is an error or not Prometheus's format.
+_SILENCE = (TimeoutError, aiohttp.ClientConnectionError, OSError)
 
 
 async def _read_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -199,25 +273,64 @@ async def _read_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, f
         return promtext.parse(await resp.text())
 
 
+async def _health(session: aiohttp.ClientSession, e: EngineLoad, timeout_s: float) -> None:
+    start = time.perf_counter()
+    try:
+        async with session.get(e.url.rstrip("/") + "/health") as resp:
+            await resp.read()
+            e.health = f"HTTP {resp.status} in {time.perf_counter() - start:.3f} s"
+    except _SILENCE as exc:
+        e.no_answer.append(no_answer("/health", f"{type(exc).__name__}: {exc}", timeout_s))
+
+
+async def _load(
+    session: aiohttp.ClientSession, e: EngineLoad, timeout_s: float, api_key: str
+) -> None:
+    for phase in ("before", "after"):
+        if phase == "after":
+            await asyncio.sleep(e.window_s)
+        try:
+            setattr(e, phase, promtext.load_of(await _read_metrics(session, e.url)))
+        except _SILENCE as exc:
+            e.ok = False
+            e.no_answer.insert(0, no_answer("/metrics", f"{type(exc).__name__}: {exc}", timeout_s))
+            return
+        except (aiohttp.ClientError, ValueError) as exc:
+            # An HTTP error status, or /metrics text that is not Prometheus's format.
+            e.ok, e.error = False, redact(f"{type(exc).__name__}: {exc}", api_key)
+            return
+
+
 async def _engine_loads(
     stack: Stack, window_s: float, timeout_s: float, api_key: str
 ) -> list[EngineLoad]:
+    """Every engine's load and /health at once, so that a silent one costs one timeout."""
     engines = [EngineLoad(role, url, True, window_s=window_s) for role, url in stack.engines()]
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     # SGLang serves /metrics without the key; sent anyway for servers that want it.
     async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers(api_key)) as session:
-        for phase in ("before", "after"):
-            if phase == "after":
-                await asyncio.sleep(window_s)
-            for e in engines:
-                if not e.ok:
-                    continue
-                try:
-                    setattr(e, phase, promtext.load_of(await _read_metrics(session, e.url)))
-                except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-                    # ValueError: /metrics answered with text that is not Prometheus's format.
-                    e.ok, e.error = False, redact(f"{type(exc).__name__}: {exc}", api_key)
+        await asyncio.gather(
+            *(_load(session, e, timeout_s, api_key) for e in engines),
+            *(_health(session, e, timeout_s) for e in engines),
+        )
     return engines
+
+
+async def _router_workers(router_url: str, timeout_s: float, api_key: str) -> dict[str, dict] | str:
+    """The router's GET /workers by worker URL, or why it could not be read."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers(api_key)) as s:
+            async with s.get(router_url.rstrip("/") + "/workers") as resp:
+                resp.raise_for_status()
+                workers = (await resp.json()).get("workers")
+    except _SILENCE as exc:
+        return no_answer("GET /workers", f"{type(exc).__name__}: {exc}", timeout_s)
+    except (aiohttp.ClientError, ValueError, AttributeError) as exc:
+        return redact(f"GET /workers: {type(exc).__name__}: {exc}", api_key)
+    if not isinstance(workers, list):
+        return "GET /workers: not the list smg answers"
+    return {str(w.get("url", "")).rstrip("/"): w for w in workers if isinstance(w, dict)}
 
 
 async def triage(
@@ -240,7 +353,10 @@ async def triage(
         except (TimeoutError, aiohttp.ClientError, OSError, RuntimeError):
             model = "default"
     probes = [await _probe(name, url, model, probe_timeout_s, api_key) for name, url in targets]
-    return decide(probes, engines, fast_s)
+    workers = None
+    if any(e.no_answer for e in engines) and stack.router_url:
+        workers = await _router_workers(stack.router_url, probe_timeout_s, api_key)
+    return decide(probes, engines, fast_s, workers)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,8 +12,58 @@ def test_env_dir_gives_the_urls_launch_starts_the_roles_on(tmp_path):
     )
     set_env_values(env / "decode.env", DECODE_HOST="127.0.0.2", DECODE_PORT="18002")
     assert stack_from_env_dir(env) == Stack(
-        "http://127.0.0.1:18000", "http://127.0.0.1:18001", "http://127.0.0.2:18002"
+        "http://127.0.0.1:18000",
+        "http://127.0.0.1:18001",
+        "http://127.0.0.2:18002",
+        (("prefill", "http://127.0.0.1:18001"), ("decode", "http://127.0.0.2:18002")),
     )
+
+
+def _two_by_two(tmp_path):
+    """env/ with env/2p2d's instance files, as README's 2P2D example builds it."""
+    env = copy_env_dir(tmp_path / "env")
+    for path in (ROOT / "env" / "2p2d").glob("*.env"):
+        (env / path.name).write_text(path.read_text())
+    return env
+
+
+def test_an_env_dir_with_instance_files_gives_every_instance_by_name(tmp_path):
+    stack = stack_from_env_dir(_two_by_two(tmp_path))
+    names = [name for name, _ in stack.engines()]
+    assert names == ["prefill/1", "prefill/2", "decode/1", "decode/2"]
+    urls = [url for _, url in stack.engines()]
+    assert len(set(urls)) == 4 and all(u.startswith("http://") for u in urls)
+    assert (stack.prefill_url, stack.decode_url) == (urls[0], urls[2])
+
+
+def test_engine_url_options_replace_that_kind_of_instance_only(tmp_path):
+    import argparse
+
+    from bench.lib.stack import add_stack_args, stack_from_args
+
+    parser = argparse.ArgumentParser()
+    add_stack_args(parser)
+    args = parser.parse_args(
+        [
+            "--env-dir",
+            str(_two_by_two(tmp_path)),
+            "--decode-url",
+            "http://127.0.0.1:1",
+            "--decode-url",
+            "http://127.0.0.1:2",
+            "--decode-url",
+            "http://127.0.0.1:3",
+        ]
+    )
+    stack = stack_from_args(parser, args)
+    assert [n for n, _ in stack.engines()] == [
+        "prefill/1",
+        "prefill/2",
+        "decode/1",
+        "decode/2",
+        "decode/3",
+    ]
+    assert stack.engines()[-1] == ("decode/3", "http://127.0.0.1:3")
 
 
 def test_env_dir_without_a_port_names_the_missing_key(tmp_path):

@@ -1,5 +1,14 @@
 from bench.lib import promtext
-from bench.lib.triage import CONNECTION, INCONCLUSIVE, SATURATED, STALLED, EngineLoad, Probe, decide
+from bench.lib.triage import (
+    CONNECTION,
+    INCONCLUSIVE,
+    SATURATED,
+    STALLED,
+    UNRESPONSIVE,
+    EngineLoad,
+    Probe,
+    decide,
+)
 
 # /metrics excerpt as an SGLang decode server exposes it (two label sets summed).
 DECODE_METRICS = """\
@@ -130,12 +139,112 @@ def test_a_busy_prefill_with_no_counter_moving_is_stalled():
     assert v.reason.startswith("requests are on prefill but it made no progress")
 
 
-def test_unreadable_metrics_are_inconclusive_not_a_guess():
+def test_metrics_answered_without_load_are_inconclusive_not_a_guess():
     engines = _engines(_load(0, 0, 0), _load(0, 0, 0))
-    engines[1] = EngineLoad("decode", "http://127.0.0.1:2", False, error="ClientConnectorError")
+    error = "ClientResponseError: 404, message='Not Found'"
+    engines[1] = EngineLoad("decode", "http://127.0.0.1:2", False, error=error)
     v = decide(FAST, engines, fast_s=2.0)
     assert v.verdict == INCONCLUSIVE
+    assert v.reason.startswith("engine load could not be read from decode: it answered")
     assert any("unreadable" in e for e in v.evidence)
+
+
+# ---- an engine that does not answer ----------------------------------------------------------
+
+SILENT = ["/metrics: no answer within 10 s", "/health: no answer within 10 s"]
+# What smg answered the client in the frozen-decode case on env/cpu.
+NO_DECODE = (
+    'HTTP 503: {"error":{"type":"server_error","code":"no_available_workers","message":"No '
+    'available servers: No available decode workers (all circuits open or unhealthy)"}}'
+)
+
+
+def _answering(role: str, port: int) -> EngineLoad:
+    idle = _load(0, 0, 0)
+    return EngineLoad(
+        role, f"http://127.0.0.1:{port}", True, window_s=1.0, before=idle, after=dict(idle)
+    )
+
+
+def _silent(role: str, port: int) -> EngineLoad:
+    return EngineLoad(role, f"http://127.0.0.1:{port}", False, no_answer=list(SILENT))
+
+
+def test_a_frozen_decode_is_named_with_what_it_did_not_answer_and_the_routers_word():
+    router = Probe("client URL", "http://127.0.0.1:3", False, 0.012, error=NO_DECODE, status=503)
+    engines = [_answering("prefill", 1), _silent("decode", 2)]
+    v = decide(
+        [router], engines, 2.0, {"http://127.0.0.1:2": {"is_healthy": False, "status": "not_ready"}}
+    )
+    assert v.verdict == UNRESPONSIVE
+    assert v.reason.startswith(
+        "decode (http://127.0.0.1:2) did not answer: /metrics: no answer within 10 s; "
+        "/health: no answer within 10 s; prefill answered"
+    ), v.reason
+    assert v.router == [f"to the probe: {NO_DECODE}", "decode: listed unhealthy, status not_ready"]
+    rendered = v.render()
+    assert "the router says:\n  - to the probe: HTTP 503" in rendered
+    assert "  - decode http://127.0.0.1:2: /metrics: no answer within 10 s" in rendered
+
+
+def test_a_frozen_prefill_is_named_even_before_the_router_notices():
+    # The router still lists prefill healthy and the probe timed out through it: decode's
+    # answer is what makes the silence evidence.
+    probe = Probe(
+        "client URL", "http://127.0.0.1:3", False, 10.0, error="no complete answer within 10 s"
+    )
+    engines = [_silent("prefill", 1), _answering("decode", 2)]
+    workers = {"http://127.0.0.1:1": {"is_healthy": True, "status": "ready"}}
+    v = decide([probe], engines, 2.0, workers)
+    assert v.verdict == UNRESPONSIVE
+    assert v.reason.startswith("prefill (http://127.0.0.1:1) did not answer")
+    assert "decode answered" in v.reason
+    assert v.router == ["prefill: listed healthy, status ready"]
+
+
+def test_one_frozen_instance_of_several_is_the_one_named():
+    engines = [
+        _answering("prefill/1", 1),
+        _answering("prefill/2", 2),
+        _answering("decode/1", 3),
+        _silent("decode/2", 4),
+    ]
+    v = decide(FAST, engines, 2.0, {"http://127.0.0.1:3": {"is_healthy": True, "status": "ready"}})
+    assert v.verdict == UNRESPONSIVE
+    assert v.reason.startswith("decode/2 (http://127.0.0.1:4) did not answer")
+    assert "prefill/1, prefill/2, decode/1 answered" in v.reason
+    assert v.router == ["decode/2: not in its worker list"]
+
+
+def test_every_engine_silent_but_the_router_answering_is_still_a_verdict():
+    router = Probe("client URL", "http://127.0.0.1:3", False, 0.01, error=NO_DECODE, status=503)
+    v = decide([router], [_silent("prefill", 1), _silent("decode", 2)], 2.0, {})
+    assert v.verdict == UNRESPONSIVE
+    assert v.reason.count("did not answer") == 2
+
+
+def test_nothing_answering_at_all_is_inconclusive():
+    probe = Probe(
+        "client URL", "http://127.0.0.1:3", False, 10.0, error="no complete answer within 10 s"
+    )
+    workers = "GET /workers: no answer within 10 s"
+    v = decide([probe], [_silent("prefill", 1), _silent("decode", 2)], 2.0, workers)
+    assert v.verdict == INCONCLUSIVE
+    assert v.reason.startswith("nothing in the stack answered, the router included")
+    assert v.router == ["nothing about its workers: GET /workers: no answer within 10 s"]
+
+
+def test_silence_is_worded_by_its_cause():
+    from launch.pdlib.unresponsive import no_answer
+
+    assert no_answer("/metrics", "TimeoutError: ", 5) == "/metrics: no answer within 5 s"
+    refused = "ClientConnectorError: Cannot connect to host 127.0.0.1:2 [Connection refused]"
+    assert no_answer("/health", refused, 5) == (
+        "/health: connection refused (nothing listens on the port)"
+    )
+    assert no_answer("/metrics", "ServerDisconnectedError: gone", 5) == (
+        "/metrics: no answer (ServerDisconnectedError: gone)"
+    )
 
 
 def test_idle_engines_with_failing_fresh_requests_are_inconclusive():
