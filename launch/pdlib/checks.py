@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import psutil
 
 from launch.pdlib.envfiles import REDACTED, is_secret
 from launch.pdlib.promtext import sample_sums
+from launch.pdlib.rotation import router_workers
 from launch.pdlib.stack import ROOT, Role, Stack, from_root, http
 from launch.pdlib.supervise import port_owner
+from launch.pdlib.unresponsive import UNRESPONSIVE, Silent, no_answer, reason, router_view
 
 MANIFEST_CODE = (
     "from importlib.metadata import distribution as d; "
@@ -245,8 +248,11 @@ ENGINE_GAUGES = (
 )
 
 
+ENGINE_READ_TIMEOUT_S = 5.0
+
+
 def engine_load(role: Role) -> dict[str, float] | str:
-    reply = http(role.url + "/metrics", timeout=5.0)
+    reply = http(role.url + "/metrics", timeout=ENGINE_READ_TIMEOUT_S)
     if reply.status != 200:
         return f"metrics unavailable ({reply.status or reply.error})"
     try:
@@ -311,7 +317,21 @@ def _load_text(values) -> str:
     return f"running={running:g} queued={'n/a' if queued is None else f'{queued:g}'}"
 
 
+def _silence(role: Role) -> Silent | None:
+    """The engine's endpoints that give no answer at all (frozen, or nothing listening)."""
+    failures = []
+    for path in ("/metrics", "/health"):
+        reply = http(role.url + path, timeout=ENGINE_READ_TIMEOUT_S)
+        if reply.status is None:
+            failures.append(no_answer(path, reply.error, ENGINE_READ_TIMEOUT_S))
+    return Silent(role.name, role.url, tuple(failures)) if failures else None
+
+
 def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[str]]:
+    """One chat completion through the router, with every engine's answer and the decodes' load.
+
+    An engine that gives no answer on /metrics or /health fails the probe with the same verdict
+    bench/triage gives, whatever the request did: the router may still route around it."""
     router = stack.role("router")
     body = {
         "model": stack.env.common().get("SERVED_MODEL_NAME") or "default",
@@ -319,7 +339,11 @@ def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[s
         "max_tokens": max_tokens,
         "stream": False,
     }
-    decodes = stack.of_kind("decode")
+    engines = stack.of_kind("prefill") + stack.of_kind("decode")
+    with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
+        silent = [s for s in pool.map(_silence, engines) if s is not None]
+    quiet = {s.name for s in silent}
+    decodes = [r for r in stack.of_kind("decode") if r.name not in quiet]
     before = [engine_load(role) for role in decodes]
     t0 = time.perf_counter()
     reply = http(
@@ -328,10 +352,10 @@ def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[s
     latency = time.perf_counter() - t0
     after = [engine_load(role) for role in decodes]
     lines = []
-    ok = reply.status == 200
+    ok = reply.status == 200 and not silent
     status = f"HTTP {reply.status}" if reply.status is not None else f"no reply ({reply.error})"
     detail = ""
-    if ok:
+    if reply.status == 200:
         try:
             usage = reply.json().get("usage") or {}
             detail = f", {usage.get('completion_tokens', '?')} completion tokens"
@@ -345,4 +369,15 @@ def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[s
         lines.append(
             f"{role.name} load when sent: {_load_text(sent)}; when answered: {_load_text(answered)}"
         )
+    if silent:
+        answering = [r.name for r in engines if r.name not in quiet]
+        lines.append(f"verdict: {UNRESPONSIVE}: {reason(silent, answering)}")
+        workers = router_workers(stack)
+        for s in silent:
+            if isinstance(workers, str):
+                said = workers
+            else:
+                # Keyed by instance name with several instances (file discovery), else by URL.
+                said = router_view(workers.get(s.name) or workers.get(s.url))
+            lines.append(f"router on {s.name}: {said}")
     return ok, lines

@@ -131,3 +131,91 @@ def test_ab_co_restart_verifies_the_knob_per_trial(sim_stack):
     assert "## Deltas refused" not in report
     for png in ("throughput.png", "tpot.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _wait_router_healthy(router: str, timeout_s: float = 30) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(router + "/workers", timeout=5) as resp:
+            workers = json.loads(resp.read())["workers"]
+        if all(w["is_healthy"] for w in workers):
+            return
+        assert time.monotonic() < deadline, f"the router still lists {workers}"
+        time.sleep(0.5)
+
+
+def _frozen(stack, *roles):
+    """SIGSTOP each role's process group (as launch/pd runs it) until the block ends."""
+    import contextlib
+    import os
+    import signal
+
+    @contextlib.contextmanager
+    def frozen():
+        groups = [json.loads((stack.run_dir / f"{r}.pid").read_text())["pid"] for r in roles]
+        for pid in groups:
+            os.killpg(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in groups:
+                os.killpg(pid, signal.SIGCONT)
+
+    return frozen()
+
+
+def test_a_frozen_prefill_is_named_by_multiround_triage_and_nothing_answering_is_inconclusive(
+    sim_stack,
+):
+    urls = stack_from_env_dir(sim_stack.env)
+    with _frozen(sim_stack, "prefill"):
+        result = run_tool(
+            "bench/multiround",
+            "--url",
+            urls.router_url,
+            "--env-dir",
+            str(sim_stack.env),
+            "--deadline-s",
+            str(DEADLINE_S),
+            "--sessions",
+            "1",
+            "--rounds",
+            "2",
+            *SMALL,
+            timeout_s=90,
+        )
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert "triage verdict: engine unresponsive" in out, out
+    assert (
+        f"because: prefill ({urls.prefill_url}) did not answer: /metrics: no answer within "
+        f"{DEADLINE_S} s; /health: no answer within {DEADLINE_S} s; decode answered"
+    ) in out, out
+    assert "the router says:\n  - prefill: listed " in out, out
+
+    with _frozen(sim_stack, "prefill", "decode", "router"):
+        result = run_tool(
+            "bench/triage",
+            "--url",
+            urls.router_url,
+            "--env-dir",
+            str(sim_stack.env),
+            "--probe-timeout-s",
+            "2",
+            timeout_s=60,
+        )
+    out = result.stdout
+    assert result.returncode == 3, out + result.stderr
+    assert "triage verdict: inconclusive" in out
+    assert "because: nothing in the stack answered, the router included: prefill (" in out
+    assert "  - nothing about its workers: GET /workers: no answer within 2 s" in out, out
+
+    # Thawed, the stack serves again once the router's health checks see every worker back.
+    _wait_router_healthy(urls.router_url)
+    result = run_tool(
+        "bench/multiround", "--url", urls.router_url, "--deadline-s", "20", *SMALL, timeout_s=90
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

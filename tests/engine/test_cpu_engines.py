@@ -91,6 +91,18 @@ class Stack:
         with self.request(self.url[role] + "/metrics", timeout=30) as resp:
             return sample_sums(resp.read().decode())
 
+    def loads(self, role: str) -> dict:
+        """The scheduler's own load snapshot (GET /v1/loads): it publishes one on every pass of
+        its loop when idle and every 50 ms when not. The /metrics gauges are no substitute for
+        a state: sglang sets them when it logs a batch and, once idle, at most every 30 s, so a
+        room that waits in prefill's inflight queue after its batch is never published there."""
+        with self.request(self.url[role] + "/v1/loads", timeout=30) as resp:
+            (load,) = json.loads(resp.read())["loads"]
+        return load
+
+    def log(self, role: str) -> str:
+        return (self.run_dir / f"{role}.log").read_text(errors="replace")
+
     def pid(self, role: str) -> int:
         return json.loads((self.run_dir / f"{role}.pid").read_text())["pid"]
 
@@ -253,35 +265,33 @@ def test_multiround_4x6_through_the_router(cpu_stack):
 
 # ---- process-level faults --------------------------------------------------------------------
 
-# What a role's /metrics reads when it holds no request and no KV.
-IDLE = {
-    "prefill": (
-        "sglang:num_prefill_bootstrap_queue_reqs",
-        "sglang:num_prefill_inflight_queue_reqs",
-        "sglang:num_running_reqs",
-        "sglang:num_used_tokens",
-        "sglang:token_usage",
-    ),
-    "decode": (
-        "sglang:num_decode_prealloc_queue_reqs",
-        "sglang:num_decode_transfer_queue_reqs",
-        "sglang:num_running_reqs",
-        "sglang:num_used_tokens",
-        "sglang:token_usage",
-    ),
-}
+
+# What a role's scheduler holds, from its load snapshot: requests running or in any queue
+# (num_waiting_reqs counts the PD bootstrap, prealloc, transfer and retracted queues with the
+# waiting queue), prefill's inflight queue, and KV tokens in use.
+def _held(load: dict) -> dict[str, int]:
+    disagg = load.get("disaggregation") or {}
+    held = {
+        "num_running_reqs": load["num_running_reqs"],
+        "num_waiting_reqs": load["num_waiting_reqs"],
+        "num_used_tokens": load["num_used_tokens"],
+        **{k: v for k, v in disagg.items() if k.endswith("_queue_reqs")},
+    }
+    return {k: v for k, v in held.items() if v}
+
+
 FAILED = "sglang:num_transfer_failed_reqs_total"
+INFLIGHT = "prefill_inflight_queue_reqs"
 
 
-def _wait_idle(stack: Stack, role: str, timeout_s: float = 30.0) -> dict[str, float]:
+def _wait_idle(stack: Stack, role: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        values = stack.metrics(role)
-        busy = {name: values.get(name) for name in IDLE[role] if values.get(name) != 0.0}
-        if not busy or time.monotonic() > deadline:
-            assert not busy, f"{role} not back to idle after {timeout_s:g} s: {busy}"
-            return values
-        time.sleep(0.5)
+        held = _held(stack.loads(role))
+        if not held or time.monotonic() > deadline:
+            assert not held, f"{role} not back to idle after {timeout_s:g} s: {held}"
+            return
+        time.sleep(0.2)
 
 
 def _wait_for(condition, timeout_s: float, what: str, state=lambda: "") -> None:
@@ -349,8 +359,8 @@ def test_prefill_frozen_decode_fails_the_room_after_its_waiting_timeout(cpu_stac
         )
         assert waited, call.text
         assert float(waited.group(1)) >= WAITING_TIMEOUT_S
-        decode = _wait_idle(cpu_stack, "decode")
-        assert decode[FAILED] >= failed_before + 1
+        _wait_idle(cpu_stack, "decode")
+        assert cpu_stack.metrics("decode")[FAILED] == failed_before + 1
     finally:
         _resume(prefill)
     _wait_idle(cpu_stack, "prefill")
@@ -366,9 +376,16 @@ def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(
     between two processes on one host, shared memory lets prefill write into a stopped decode:
     in the full module, a 400-token room landed while decode was stopped, and the request was
     served once decode resumed. Over TCP a put completes only on the peer's ack, so a stopped
-    decode is an unreachable one, as across hosts."""
+    decode is an unreachable one, as across hosts.
+
+    Each wait is on something that stays true once reached: a counter, the engine's own log
+    line, or a state the fault itself holds in place (the room in prefill's inflight queue, for
+    the whole timeout). The /metrics inflight gauge is not one of them: sglang sets it when it
+    logs a batch, before the room enters the queue, so it read 0 throughout in 2 of 4 runs."""
     failed_before = cpu_stack.metrics("prefill").get(FAILED, 0.0)
     bootstrapped = cpu_stack.metrics("decode").get("sglang:kv_transfer_bootstrap_ms_count", 0.0)
+    timed_out = f"did not conclude within {INFLIGHT_TIMEOUT_S}s of entering the prefill inflight"
+    logged_before = cpu_stack.log("prefill").count(timed_out)
     prefill, decode = cpu_stack.schedulers("prefill"), cpu_stack.schedulers("decode")
     # Prefill held first, so that the room cannot be served before decode stops.
     _suspend(prefill)
@@ -388,18 +405,32 @@ def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(
         _suspend(decode)
         _resume(prefill)
         held = time.monotonic()
+        inflight: list[dict] = []
+
+        def room_inflight() -> bool:
+            load = cpu_stack.loads("prefill")
+            if (load.get("disaggregation") or {}).get(INFLIGHT) == 1:
+                inflight.append(load)
+            return bool(inflight) or cpu_stack.log("prefill").count(timed_out) > logged_before
+
         _wait_for(
-            lambda: cpu_stack.metrics("prefill").get("sglang:num_prefill_inflight_queue_reqs") == 1,
+            room_inflight,
             INFLIGHT_TIMEOUT_S,
-            "prefill computing the room and sending its KV",
-            lambda: {k: v for k, v in cpu_stack.metrics("prefill").items() if "queue" in k},
+            "prefill computing the room and holding it in its inflight queue",
+            lambda: _held(cpu_stack.loads("prefill")),
         )
+        assert inflight, "the room's inflight timeout was logged before its queue was seen"
+        # The room's KV stays allocated while it waits.
+        assert inflight[0]["num_used_tokens"] > 0, inflight[0]
         _wait_for(
             lambda: cpu_stack.metrics("prefill").get(FAILED, 0.0) > failed_before,
             INFLIGHT_TIMEOUT_S + 30,
             "prefill failing the request",
         )
         assert time.monotonic() - held >= INFLIGHT_TIMEOUT_S - 1
+        assert cpu_stack.metrics("prefill")[FAILED] == failed_before + 1
+        log = cpu_stack.log("prefill")
+        assert log.count(timed_out) == logged_before + 1, log[-3000:]
         _wait_idle(cpu_stack, "prefill")
     finally:
         _resume(prefill)

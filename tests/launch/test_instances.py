@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -152,6 +154,54 @@ def test_rolling_restart_of_both_decodes_under_c16_load_fails_no_request(stack_2
     assert result.output.index("decode/1 1/2") < result.output.index("decode/2 2/2")
     verify = stack_2p2d.pd("verify", "decode")
     assert verify.returncode == 0 and verify.stdout.count("TARGET_CTAS=256 live in pid") == 2
+
+
+def test_one_frozen_decode_of_two_is_named_by_triage_and_by_probe(stack_2p2d):
+    """decode/2's process group stopped: bench/triage and launch/pd probe both name decode/2,
+    and the three other instances as answering; thawed, the router routes to it again."""
+    frozen = stack_2p2d.pid("decode-2")
+    url = stack_2p2d.url_of("decode/2")
+    os.killpg(frozen, signal.SIGSTOP)
+    try:
+        triage = subprocess.run(
+            [
+                sys.executable,
+                "bench/triage",
+                "--url",
+                stack_2p2d.url("router"),
+                "--env-dir",
+                str(stack_2p2d.env),
+                "--probe-timeout-s",
+                "3",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        probe = stack_2p2d.pd("probe", "--probe-timeout", "10", timeout=60)
+    finally:
+        os.killpg(frozen, signal.SIGCONT)
+    assert triage.returncode == 0, triage.stdout + triage.stderr
+    assert "triage verdict: engine unresponsive" in triage.stdout
+    assert (
+        f"because: decode/2 ({url}) did not answer: /metrics: no answer within 3 s; /health: "
+        "no answer within 3 s; prefill/1, prefill/2, decode/1 answered"
+    ) in triage.stdout, triage.stdout
+    assert "  - decode/2: listed " in triage.stdout
+    assert probe.returncode == 1, probe.stdout + probe.stderr
+    assert (
+        f"verdict: engine unresponsive: decode/2 ({url}) did not answer: /metrics: no answer "
+        "within 5 s; /health: no answer within 5 s; prefill/1, prefill/2, decode/1 answered"
+    ) in probe.stdout, probe.stdout
+    assert "router on decode/2: listed " in probe.stdout
+    assert SECRET not in triage.stdout + probe.stdout
+    deadline = time.monotonic() + 30
+    while not all(w["is_healthy"] for w in router_workers(stack_2p2d).values()):
+        assert time.monotonic() < deadline, router_workers(stack_2p2d)
+        time.sleep(0.5)
+    probe = stack_2p2d.pd("probe")
+    assert probe.returncode == 0, probe.stdout + probe.stderr
 
 
 def test_rolling_restart_refuses_a_role_with_one_instance(env_dir):
