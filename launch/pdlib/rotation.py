@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from launch.pdlib.promtext import sample_sums
+from launch.pdlib import loads
 from launch.pdlib.stack import Role, Stack, http
 
 MANIFEST_VERSION = 1
@@ -106,24 +106,20 @@ def wait_router(stack: Stack, role: Role, in_rotation: bool, timeout_s: float) -
 
 
 def wait_drained(stack: Stack, role: Role, timeout_s: float, progress) -> Waited:
-    """Poll the engine's /metrics until it has no running and no queued request."""
+    """Poll the engine's load snapshot until it holds no request: none running, none in any
+    queue, none in prefill's inflight queue (a room whose KV decode has not taken yet)."""
     started = time.time()
     last_shown = -1.0
     while True:
-        reply = http(role.url + "/metrics", timeout=5.0)
+        snapshot = loads.read(role.url, stack.api_key)
         now = time.time() - started
-        try:
-            values = sample_sums(reply.body.decode(errors="replace"))
-        except ValueError:
-            values = {}
-        if reply.status == 200 and "sglang:num_running_reqs" in values:
-            running = values.get("sglang:num_running_reqs", 0.0)
-            queued = values.get("sglang:num_queue_reqs", 0.0)
-            state = f"running={running:g} queued={queued:g}"
-            if running == 0 and queued == 0:
-                return Waited(True, now, state)
+        if isinstance(snapshot, str):
+            state = snapshot
         else:
-            state = f"metrics unavailable ({reply.status or reply.error})"
+            holding = loads.held(snapshot, tokens=False)
+            state = loads.describe(holding)
+            if not holding:
+                return Waited(True, now, state)
         if now >= timeout_s:
             return Waited(False, now, f"drain timeout {timeout_s:g} s reached ({state})")
         if now - last_shown >= 5:
