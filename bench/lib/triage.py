@@ -362,10 +362,12 @@ async def triage(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="bench/triage",
-        description="Tell a stuck client connection from a busy or stalled engine: time a request "
-        "over a fresh connection to the client's URL and to the router, read prefill and decode "
-        "load from their /metrics, and print a verdict with the numbers. Exit 0 when a verdict "
-        "other than 'inconclusive' is reached, 3 otherwise.",
+        description="Tell a stuck client connection from a busy, stalled or unresponsive engine: "
+        "time a request over a fresh connection to the client's URL and to the router, read "
+        "every prefill and decode instance's load from /metrics and its /health, and print a "
+        "verdict with the numbers (an engine that gives no answer is named, with what the "
+        "router says of it). Exit 0 when a verdict other than 'inconclusive' is reached, 3 "
+        "otherwise.",
     )
     parser.add_argument("--url", required=True, help="the URL the client uses (may be a proxy)")
     add_stack_args(parser)
