@@ -487,6 +487,7 @@ def test_decode_wholly_frozen_triage_and_probe_name_it_unresponsive(cpu_stack):
     finally:
         os.killpg(group, signal.SIGCONT)
     out = multiround.stdout
+    print(out, probe.stdout, sep="\n")
     assert multiround.returncode == 1, out + multiround.stderr
     assert "triage verdict: engine unresponsive" in out, out
     assert (
