@@ -35,7 +35,6 @@ CONNECTION = "connection layer between client and router"
 SATURATED = "engine saturated"
 STALLED = "engine stalled"
 INCONCLUSIVE = "inconclusive"
-VERDICTS = (UNRESPONSIVE, STALLED, SATURATED, CONNECTION, INCONCLUSIVE)
 
 
 @dataclass
@@ -144,8 +143,18 @@ class Verdict:
         return "\n".join(lines)
 
 
+@dataclass
+class RouterList:
+    """What the router's GET /workers gave: whether it answered at all, its workers by URL, and
+    what was wrong when it gave none."""
+
+    answered: bool
+    workers: dict[str, dict] = field(default_factory=dict)
+    error: str = ""
+
+
 def _router_says(
-    probes: list[Probe], silent: list[EngineLoad], workers: dict[str, dict] | str | None
+    probes: list[Probe], silent: list[EngineLoad], listing: RouterList | None
 ) -> tuple[bool, list[str]]:
     """Whether the router answered at all, and its own statements: the error it gave the probe
     and how it lists each silent engine. The last probe is the router's (the client URL is)."""
@@ -154,12 +163,13 @@ def _router_says(
     answered = bool(router and router.status)
     if router and router.status and not router.ok:
         said.append(f"to the probe: {router.error}")
-    if isinstance(workers, dict):
-        answered = True
-        for e in silent:
-            said.append(f"{e.role}: {router_view(workers.get(e.url.rstrip('/')))}")
-    elif isinstance(workers, str):
-        said.append(f"nothing about its workers: {workers}")
+    if listing is not None:
+        answered = answered or listing.answered
+        if listing.error:
+            said.append(f"nothing about its workers: {listing.error}")
+        else:
+            for e in silent:
+                said.append(f"{e.role}: {router_view(listing.workers.get(e.url.rstrip('/')))}")
     return answered, said
 
 
@@ -167,16 +177,16 @@ def decide(
     probes: list[Probe],
     engines: list[EngineLoad],
     fast_s: float,
-    router_workers: dict[str, dict] | str | None = None,
+    router_list: RouterList | None = None,
 ) -> Verdict:
-    """router_workers: the router's GET /workers by engine URL, or why it could not be read;
-    None when it was not asked (every engine answered)."""
+    """router_list: the router's GET /workers; None when it was not asked (every engine
+    answered)."""
     evidence = [p.describe() for p in probes] + [e.describe() for e in engines]
     measurements = {
         "fast_s": fast_s,
         "probes": [asdict(p) for p in probes],
         "engines": [asdict(e) for e in engines],
-        "router_workers": router_workers,
+        "router_workers": None if router_list is None else asdict(router_list),
     }
 
     def out(verdict: str, reason: str, router: list[str] | None = None) -> Verdict:
@@ -189,7 +199,7 @@ def decide(
     silent = [e for e in engines if e.no_answer]
     if silent:
         answering = [e.role for e in engines if not e.no_answer]
-        router_answered, router = _router_says(probes, silent, router_workers)
+        router_answered, router = _router_says(probes, silent, router_list)
         because = reason([Silent(e.role, e.url, tuple(e.no_answer)) for e in silent], answering)
         if answering or router_answered:
             return out(UNRESPONSIVE, because, router)
@@ -316,8 +326,8 @@ async def _engine_loads(
     return engines
 
 
-async def _router_workers(router_url: str, timeout_s: float, api_key: str) -> dict[str, dict] | str:
-    """The router's GET /workers by worker URL, or why it could not be read."""
+async def _router_workers(router_url: str, timeout_s: float, api_key: str) -> RouterList:
+    """The router's GET /workers, by worker URL."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers(api_key)) as s:
@@ -325,12 +335,17 @@ async def _router_workers(router_url: str, timeout_s: float, api_key: str) -> di
                 resp.raise_for_status()
                 workers = (await resp.json()).get("workers")
     except _SILENCE as exc:
-        return no_answer("GET /workers", f"{type(exc).__name__}: {exc}", timeout_s)
+        return RouterList(
+            False, error=no_answer("GET /workers", f"{type(exc).__name__}: {exc}", timeout_s)
+        )
     except (aiohttp.ClientError, ValueError, AttributeError) as exc:
-        return redact(f"GET /workers: {type(exc).__name__}: {exc}", api_key)
+        # It answered, with an error status or a body that is not smg's.
+        return RouterList(True, error=redact(f"GET /workers: {type(exc).__name__}: {exc}", api_key))
     if not isinstance(workers, list):
-        return "GET /workers: not the list smg answers"
-    return {str(w.get("url", "")).rstrip("/"): w for w in workers if isinstance(w, dict)}
+        return RouterList(True, error="GET /workers: not the list smg answers")
+    return RouterList(
+        True, {str(w.get("url", "")).rstrip("/"): w for w in workers if isinstance(w, dict)}
+    )
 
 
 async def triage(

@@ -7,6 +7,7 @@ from bench.lib.triage import (
     UNRESPONSIVE,
     EngineLoad,
     Probe,
+    RouterList,
     decide,
 )
 
@@ -174,7 +175,10 @@ def test_a_frozen_decode_is_named_with_what_it_did_not_answer_and_the_routers_wo
     router = Probe("client URL", "http://127.0.0.1:3", False, 0.012, error=NO_DECODE, status=503)
     engines = [_answering("prefill", 1), _silent("decode", 2)]
     v = decide(
-        [router], engines, 2.0, {"http://127.0.0.1:2": {"is_healthy": False, "status": "not_ready"}}
+        [router],
+        engines,
+        2.0,
+        RouterList(True, {"http://127.0.0.1:2": {"is_healthy": False, "status": "not_ready"}}),
     )
     assert v.verdict == UNRESPONSIVE
     assert v.reason.startswith(
@@ -194,7 +198,7 @@ def test_a_frozen_prefill_is_named_even_before_the_router_notices():
         "client URL", "http://127.0.0.1:3", False, 10.0, error="no complete answer within 10 s"
     )
     engines = [_silent("prefill", 1), _answering("decode", 2)]
-    workers = {"http://127.0.0.1:1": {"is_healthy": True, "status": "ready"}}
+    workers = RouterList(True, {"http://127.0.0.1:1": {"is_healthy": True, "status": "ready"}})
     v = decide([probe], engines, 2.0, workers)
     assert v.verdict == UNRESPONSIVE
     assert v.reason.startswith("prefill (http://127.0.0.1:1) did not answer")
@@ -209,7 +213,7 @@ def test_one_frozen_instance_of_several_is_the_one_named():
         _answering("decode/1", 3),
         _silent("decode/2", 4),
     ]
-    v = decide(FAST, engines, 2.0, {"http://127.0.0.1:3": {"is_healthy": True, "status": "ready"}})
+    v = decide(FAST, engines, 2.0, RouterList(True, {"http://127.0.0.1:3": {"is_healthy": True}}))
     assert v.verdict == UNRESPONSIVE
     assert v.reason.startswith("decode/2 (http://127.0.0.1:4) did not answer")
     assert "prefill/1, prefill/2, decode/1 answered" in v.reason
@@ -218,7 +222,7 @@ def test_one_frozen_instance_of_several_is_the_one_named():
 
 def test_every_engine_silent_but_the_router_answering_is_still_a_verdict():
     router = Probe("client URL", "http://127.0.0.1:3", False, 0.01, error=NO_DECODE, status=503)
-    v = decide([router], [_silent("prefill", 1), _silent("decode", 2)], 2.0, {})
+    v = decide([router], [_silent("prefill", 1), _silent("decode", 2)], 2.0, RouterList(True))
     assert v.verdict == UNRESPONSIVE
     assert v.reason.count("did not answer") == 2
 
@@ -227,11 +231,22 @@ def test_nothing_answering_at_all_is_inconclusive():
     probe = Probe(
         "client URL", "http://127.0.0.1:3", False, 10.0, error="no complete answer within 10 s"
     )
-    workers = "GET /workers: no answer within 10 s"
+    workers = RouterList(False, error="GET /workers: no answer within 10 s")
     v = decide([probe], [_silent("prefill", 1), _silent("decode", 2)], 2.0, workers)
     assert v.verdict == INCONCLUSIVE
     assert v.reason.startswith("nothing in the stack answered, the router included")
     assert v.router == ["nothing about its workers: GET /workers: no answer within 10 s"]
+
+
+def test_a_router_that_refuses_the_worker_list_still_answered():
+    # A wrong key: the engines are silent, the probe timed out, but the router did answer 401.
+    probe = Probe("client URL", "http://127.0.0.1:3", False, 10.0, error="no complete answer")
+    refused = RouterList(
+        True, error="GET /workers: ClientResponseError: 401, message='Unauthorized'"
+    )
+    v = decide([probe], [_silent("prefill", 1), _silent("decode", 2)], 2.0, refused)
+    assert v.verdict == UNRESPONSIVE
+    assert v.router == [f"nothing about its workers: {refused.error}"]
 
 
 def test_silence_is_worded_by_its_cause():
