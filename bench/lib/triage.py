@@ -29,7 +29,14 @@ from bench.lib.client import (
     stream_chat,
 )
 from bench.lib.stack import Stack, add_stack_args, stack_from_args
-from launch.pdlib.unresponsive import UNRESPONSIVE, Silent, no_answer, reason, router_view
+from launch.pdlib.unresponsive import (
+    NOTHING_ANSWERED,
+    UNRESPONSIVE,
+    Silent,
+    no_answer,
+    reason,
+    router_view,
+)
 
 CONNECTION = "connection layer between client and router"
 SATURATED = "engine saturated"
@@ -203,9 +210,7 @@ def decide(
         because = reason([Silent(e.role, e.url, tuple(e.no_answer)) for e in silent], answering)
         if answering or router_answered:
             return out(UNRESPONSIVE, because, router)
-        return out(
-            INCONCLUSIVE, f"nothing in the stack answered, the router included: {because}", router
-        )
+        return out(INCONCLUSIVE, f"{NOTHING_ANSWERED}: {because}", router)
     unreadable = [e for e in engines if not e.ok]
     if unreadable:
         names = ", ".join(e.role for e in unreadable)

@@ -16,7 +16,14 @@ from launch.pdlib.promtext import sample_sums
 from launch.pdlib.rotation import router_workers
 from launch.pdlib.stack import ROOT, Role, Stack, from_root, http
 from launch.pdlib.supervise import port_owner
-from launch.pdlib.unresponsive import UNRESPONSIVE, Silent, no_answer, reason, router_view
+from launch.pdlib.unresponsive import (
+    NOTHING_ANSWERED,
+    UNRESPONSIVE,
+    Silent,
+    no_answer,
+    reason,
+    router_view,
+)
 
 MANIFEST_CODE = (
     "from importlib.metadata import distribution as d; "
@@ -371,8 +378,12 @@ def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[s
         )
     if silent:
         answering = [r.name for r in engines if r.name not in quiet]
-        lines.append(f"verdict: {UNRESPONSIVE}: {reason(silent, answering)}")
         workers = router_workers(stack)
+        because = reason(silent, answering)
+        if answering or reply.status is not None or not isinstance(workers, str):
+            lines.append(f"verdict: {UNRESPONSIVE}: {because}")
+        else:
+            lines.append(f"verdict: inconclusive: {NOTHING_ANSWERED}: {because}")
         for s in silent:
             if isinstance(workers, str):
                 said = workers

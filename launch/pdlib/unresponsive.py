@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 UNRESPONSIVE = "engine unresponsive"
+# When no engine answered and the router did not either, the silence points nowhere.
+NOTHING_ANSWERED = "nothing in the stack answered, the router included"
 
 
 def no_answer(path: str, error: str, timeout_s: float) -> str:

@@ -6,10 +6,11 @@ client straight to the router passes 24/24.
 """
 
 import json
+import subprocess
 from importlib.metadata import PackageNotFoundError, distribution
 
 import pytest
-from bench_harness import ROOT, TINY_AB_LOAD, run_tool
+from bench_harness import PD, ROOT, TINY_AB_LOAD, run_tool
 
 from bench.lib.stack import stack_from_env_dir
 
@@ -207,6 +208,17 @@ def test_a_frozen_prefill_is_named_by_multiround_triage_and_nothing_answering_is
             "2",
             timeout_s=60,
         )
+        probe = subprocess.run(
+            [str(PD), "probe", "--sim", "--env-dir", str(sim_stack.env), "--probe-timeout", "2"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert probe.returncode == 1, probe.stdout + probe.stderr
+    assert (
+        "verdict: inconclusive: nothing in the stack answered, the router included: prefill ("
+    ) in probe.stdout, probe.stdout
     out = result.stdout
     assert result.returncode == 3, out + result.stderr
     assert "triage verdict: inconclusive" in out
