@@ -337,6 +337,30 @@ def _wait_router_healthy(stack: Stack) -> None:
     )
 
 
+def _unread_bytes(receivers: list[psutil.Process], senders: list[psutil.Process]) -> int:
+    """Bytes the senders have sent to the receivers' TCP listening ports that the receivers
+    have not read yet: the rx_queue of those connections in /proc/net/tcp."""
+    listening = {
+        c.laddr.port
+        for p in receivers
+        for c in p.net_connections(kind="tcp4")
+        if c.status == psutil.CONN_LISTEN
+    }
+    sending = {
+        c.laddr.port
+        for p in senders
+        for c in p.net_connections(kind="tcp4")
+        if c.raddr and c.raddr.port in listening
+    }
+    unread = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = (int(f.rsplit(":", 1)[1], 16) for f in fields[1:3])
+        if local in listening and remote in sending and fields[3] == "01":  # ESTABLISHED
+            unread += int(fields[4].split(":")[1], 16)
+    return unread
+
+
 def _serves_a_fresh_request(stack: Stack) -> None:
     _wait_router_healthy(stack)
     assert len(stack.post("/generate", GREEDY)["output_ids"]) == 12
@@ -384,6 +408,12 @@ def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(
     line, or a state the fault itself holds in place (the room in prefill's inflight queue, for
     the whole timeout). The /metrics inflight gauge is not one of them: sglang sets it when it
     logs a batch, before the room enters the queue, so it read 0 throughout in 2 of 4 runs."""
+    # The stack serves first. That also opens decode's ZMQ connection to prefill's scheduler,
+    # which sglang opens on first use and keeps (common/conn.py _connect): a first connection
+    # cannot finish its handshake while prefill is stopped, so decode's metadata for the room
+    # would wait in decode's own queue and never reach prefill once decode is stopped too. On a
+    # fresh stack (the test alone, or first) that failed 1 run in 10.
+    _serves_a_fresh_request(cpu_stack)
     failed_before = cpu_stack.metrics("prefill").get(FAILED, 0.0)
     bootstrapped = cpu_stack.metrics("decode").get("sglang:kv_transfer_bootstrap_ms_count", 0.0)
     # Patch 0003's own warning (upstream's failure line that follows quotes the same reason).
@@ -398,6 +428,7 @@ def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(
     logged_before = logged()
     prefill, decode = cpu_stack.schedulers("prefill"), cpu_stack.schedulers("decode")
     # Prefill held first, so that the room cannot be served before decode stops.
+    unread = _unread_bytes(prefill, decode)
     _suspend(prefill)
     try:
         call = Call(cpu_stack, GREEDY)
@@ -410,8 +441,13 @@ def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(
             30,
             "decode bootstrapping the room",
         )
-        # Counted right after decode's send_metadata; a moment for its socket to carry it.
-        time.sleep(1.0)
+        # Counted right after decode's send_metadata; stop decode only once those bytes wait in
+        # the stopped prefill's socket (they stay there until prefill runs again).
+        _wait_for(
+            lambda: _unread_bytes(prefill, decode) > unread,
+            30,
+            "decode's metadata for the room waiting in prefill's socket",
+        )
         _suspend(decode)
         _resume(prefill)
         held = time.monotonic()
