@@ -337,6 +337,13 @@ def _wait_router_healthy(stack: Stack) -> None:
     )
 
 
+def _ready(stack: Stack) -> None:
+    """Before a fault: the stack serves a request and then holds nothing on either engine."""
+    _serves_a_fresh_request(stack)
+    _wait_idle(stack, "prefill")
+    _wait_idle(stack, "decode")
+
+
 def _unread_bytes(receivers: list[psutil.Process], senders: list[psutil.Process]) -> int:
     """Bytes the senders have sent to the receivers' TCP listening ports that the receivers
     have not read yet: the rx_queue of those connections in /proc/net/tcp."""
@@ -369,6 +376,7 @@ def _serves_a_fresh_request(stack: Stack) -> None:
 def test_prefill_frozen_decode_fails_the_room_after_its_waiting_timeout(cpu_stack):
     """Decode bootstraps the room and waits for KV that never comes (prefill's scheduler is
     stopped): it fails the request after SGLANG_DISAGGREGATION_WAITING_TIMEOUT and frees it."""
+    _ready(cpu_stack)
     failed_before = cpu_stack.metrics("decode").get(FAILED, 0.0)
     prefill = cpu_stack.schedulers("prefill")
     _suspend(prefill)
@@ -408,12 +416,13 @@ def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(
     line, or a state the fault itself holds in place (the room in prefill's inflight queue, for
     the whole timeout). The /metrics inflight gauge is not one of them: sglang sets it when it
     logs a batch, before the room enters the queue, so it read 0 throughout in 2 of 4 runs."""
-    # The stack serves first. That also opens decode's ZMQ connection to prefill's scheduler,
-    # which sglang opens on first use and keeps (common/conn.py _connect): a first connection
-    # cannot finish its handshake while prefill is stopped, so decode's metadata for the room
-    # would wait in decode's own queue and never reach prefill once decode is stopped too. On a
-    # fresh stack (the test alone, or first) that failed 1 run in 10.
-    _serves_a_fresh_request(cpu_stack)
+    # The stack serves first, and holds nothing (the counts below are exact). Serving also
+    # opens decode's ZMQ connection to prefill's scheduler, which sglang opens on first use and
+    # keeps (common/conn.py _connect): a first connection cannot finish its handshake while
+    # prefill is stopped, so decode's metadata for the room would wait in decode's own queue
+    # and never reach prefill once decode is stopped too. On a fresh stack (the test alone, or
+    # first) that failed 1 run in 10.
+    _ready(cpu_stack)
     failed_before = cpu_stack.metrics("prefill").get(FAILED, 0.0)
     bootstrapped = cpu_stack.metrics("decode").get("sglang:kv_transfer_bootstrap_ms_count", 0.0)
     # Patch 0003's own warning (upstream's failure line that follows quotes the same reason).
