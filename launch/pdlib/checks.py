@@ -324,14 +324,24 @@ def _load_text(values) -> str:
     return f"running={running:g} queued={'n/a' if queued is None else f'{queued:g}'}"
 
 
-def _silence(role: Role) -> Silent | None:
-    """The engine's endpoints that give no answer at all (frozen, or nothing listening)."""
-    failures = []
-    for path in ("/metrics", "/health"):
-        reply = http(role.url + path, timeout=ENGINE_READ_TIMEOUT_S)
+ASKED = ("/metrics", "/health")
+
+
+def _silences(engines: list[Role]) -> list[Silent]:
+    """The engines whose /metrics or /health give no answer at all (frozen, or nothing
+    listening), every endpoint of every engine asked at once: one timeout in all."""
+    asked = [(role, path) for role in engines for path in ASKED]
+    with ThreadPoolExecutor(max_workers=max(1, len(asked))) as pool:
+        replies = list(
+            pool.map(lambda a: http(a[0].url + a[1], timeout=ENGINE_READ_TIMEOUT_S), asked)
+        )
+    failures: dict[str, list[str]] = {}
+    for (role, path), reply in zip(asked, replies, strict=True):
         if reply.status is None:
-            failures.append(no_answer(path, reply.error, ENGINE_READ_TIMEOUT_S))
-    return Silent(role.name, role.url, tuple(failures)) if failures else None
+            failures.setdefault(role.name, []).append(
+                no_answer(path, reply.error, ENGINE_READ_TIMEOUT_S)
+            )
+    return [Silent(r.name, r.url, tuple(failures[r.name])) for r in engines if r.name in failures]
 
 
 def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[str]]:
@@ -347,8 +357,7 @@ def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[s
         "stream": False,
     }
     engines = stack.of_kind("prefill") + stack.of_kind("decode")
-    with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
-        silent = [s for s in pool.map(_silence, engines) if s is not None]
+    silent = _silences(engines)
     quiet = {s.name for s in silent}
     decodes = [r for r in stack.of_kind("decode") if r.name not in quiet]
     before = [engine_load(role) for role in decodes]
