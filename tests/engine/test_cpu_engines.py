@@ -327,8 +327,11 @@ def _resume(procs: list[psutil.Process]) -> None:
 def _wait_router_healthy(stack: Stack) -> None:
     """Until smg lists every worker healthy again. After a fault it marks the engine that
     stopped answering its health checks unhealthy (each 2 s in env/cpu's ROUTER_ARGS) and
-    answers 503 no_available_workers until a check passes again: seen after prefill's
-    scheduler had been stopped for 10 s."""
+    answers 503 no_available_workers until a check passes again. Seen after prefill's
+    scheduler alone had been stopped for 10 s: a scheduler holds a file lock while it writes
+    its load snapshot (on every pass of its loop), sglang's /v1/loads handler waits for that
+    lock inside the HTTP server's event loop, so smg's next /v1/loads poll of a scheduler
+    stopped mid-write froze prefill's whole HTTP server, /health included, until it ran again."""
     _wait_for(
         lambda: all(w["is_healthy"] for w in stack.router_workers()),
         30,
