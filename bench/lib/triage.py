@@ -29,6 +29,7 @@ from bench.lib.client import (
     stream_chat,
 )
 from bench.lib.stack import Stack, add_stack_args, stack_from_args
+from launch.pdlib.rotation import RouterList, list_workers
 from launch.pdlib.unresponsive import (
     NOTHING_ANSWERED,
     UNRESPONSIVE,
@@ -150,16 +151,6 @@ class Verdict:
         return "\n".join(lines)
 
 
-@dataclass
-class RouterList:
-    """What the router's GET /workers gave: whether it answered at all, its workers by URL, and
-    what was wrong when it gave none."""
-
-    answered: bool
-    workers: dict[str, dict] = field(default_factory=dict)
-    error: str = ""
-
-
 def _router_says(
     probes: list[Probe], silent: list[EngineLoad], listing: RouterList | None
 ) -> tuple[bool, list[str]]:
@@ -175,8 +166,9 @@ def _router_says(
         if listing.error:
             said.append(f"nothing about its workers: {listing.error}")
         else:
+            by_url = {str(w.get("url", "")).rstrip("/"): w for w in listing.workers}
             for e in silent:
-                said.append(f"{e.role}: {router_view(listing.workers.get(e.url.rstrip('/')))}")
+                said.append(f"{e.role}: {router_view(by_url.get(e.url.rstrip('/')))}")
     return answered, said
 
 
@@ -331,28 +323,6 @@ async def _engine_loads(
     return engines
 
 
-async def _router_workers(router_url: str, timeout_s: float, api_key: str) -> RouterList:
-    """The router's GET /workers, by worker URL."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    try:
-        async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers(api_key)) as s:
-            async with s.get(router_url.rstrip("/") + "/workers") as resp:
-                resp.raise_for_status()
-                workers = (await resp.json()).get("workers")
-    except _SILENCE as exc:
-        return RouterList(
-            False, error=no_answer("GET /workers", f"{type(exc).__name__}: {exc}", timeout_s)
-        )
-    except (aiohttp.ClientError, ValueError, AttributeError) as exc:
-        # It answered, with an error status or a body that is not smg's.
-        return RouterList(True, error=redact(f"GET /workers: {type(exc).__name__}: {exc}", api_key))
-    if not isinstance(workers, list):
-        return RouterList(True, error="GET /workers: not the list smg answers")
-    return RouterList(
-        True, {str(w.get("url", "")).rstrip("/"): w for w in workers if isinstance(w, dict)}
-    )
-
-
 async def triage(
     client_url: str,
     stack: Stack,
@@ -375,7 +345,7 @@ async def triage(
     probes = [await _probe(name, url, model, probe_timeout_s, api_key) for name, url in targets]
     workers = None
     if any(e.no_answer for e in engines) and stack.router_url:
-        workers = await _router_workers(stack.router_url, probe_timeout_s, api_key)
+        workers = await asyncio.to_thread(list_workers, stack.router_url, api_key, probe_timeout_s)
     return decide(probes, engines, fast_s, workers)
 
 

@@ -13,8 +13,8 @@ import psutil
 
 from launch.pdlib.envfiles import REDACTED, is_secret
 from launch.pdlib.promtext import sample_sums
-from launch.pdlib.rotation import router_workers
-from launch.pdlib.stack import ROOT, Role, Stack, from_root, http
+from launch.pdlib.rotation import list_workers
+from launch.pdlib.stack import ROOT, Reply, Role, Stack, from_root, http
 from launch.pdlib.supervise import port_owner
 from launch.pdlib.unresponsive import (
     NOTHING_ANSWERED,
@@ -258,8 +258,10 @@ ENGINE_GAUGES = (
 ENGINE_READ_TIMEOUT_S = 5.0
 
 
-def engine_load(role: Role) -> dict[str, float] | str:
-    reply = http(role.url + "/metrics", timeout=ENGINE_READ_TIMEOUT_S)
+def engine_load(role: Role, reply: Reply | None = None) -> dict[str, float] | str:
+    """The engine's /metrics values, or why not; from `reply` when it was already read."""
+    if reply is None:
+        reply = http(role.url + "/metrics", timeout=ENGINE_READ_TIMEOUT_S)
     if reply.status != 200:
         return f"metrics unavailable ({reply.status or reply.error})"
     try:
@@ -327,21 +329,26 @@ def _load_text(values) -> str:
 ASKED = ("/metrics", "/health")
 
 
-def _silences(engines: list[Role]) -> list[Silent]:
-    """The engines whose /metrics or /health give no answer at all (frozen, or nothing
-    listening), every endpoint of every engine asked at once: one timeout in all."""
+def _ask_engines(engines: list[Role]) -> tuple[dict[str, Reply], list[Silent]]:
+    """Every engine's /metrics reply, and the engines whose /metrics or /health gave no answer
+    at all (frozen, or nothing listening); every endpoint of every engine asked at once, so
+    silent engines cost one timeout in all."""
     asked = [(role, path) for role in engines for path in ASKED]
     with ThreadPoolExecutor(max_workers=max(1, len(asked))) as pool:
         replies = list(
             pool.map(lambda a: http(a[0].url + a[1], timeout=ENGINE_READ_TIMEOUT_S), asked)
         )
+    metrics: dict[str, Reply] = {}
     failures: dict[str, list[str]] = {}
     for (role, path), reply in zip(asked, replies, strict=True):
+        if path == "/metrics":
+            metrics[role.name] = reply
         if reply.status is None:
             failures.setdefault(role.name, []).append(
                 no_answer(path, reply.error, ENGINE_READ_TIMEOUT_S)
             )
-    return [Silent(r.name, r.url, tuple(failures[r.name])) for r in engines if r.name in failures]
+    silent = [Silent(r.name, r.url, tuple(failures[r.name])) for r in engines if r.name in failures]
+    return metrics, silent
 
 
 def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[str]]:
@@ -357,10 +364,10 @@ def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[s
         "stream": False,
     }
     engines = stack.of_kind("prefill") + stack.of_kind("decode")
-    silent = _silences(engines)
+    metrics, silent = _ask_engines(engines)
     quiet = {s.name for s in silent}
     decodes = [r for r in stack.of_kind("decode") if r.name not in quiet]
-    before = [engine_load(role) for role in decodes]
+    before = [engine_load(role, metrics[role.name]) for role in decodes]
     t0 = time.perf_counter()
     reply = http(
         router.url + "/v1/chat/completions", timeout=timeout_s, data=body, api_key=stack.api_key
@@ -387,17 +394,14 @@ def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[s
         )
     if silent:
         answering = [r.name for r in engines if r.name not in quiet]
-        workers = router_workers(stack)
+        listing = list_workers(router.url, stack.api_key, ENGINE_READ_TIMEOUT_S)
         because = reason(silent, answering)
-        if answering or reply.status is not None or not isinstance(workers, str):
+        if answering or reply.status is not None or listing.answered:
             lines.append(f"verdict: {UNRESPONSIVE}: {because}")
         else:
             lines.append(f"verdict: inconclusive: {NOTHING_ANSWERED}: {because}")
+        by_url = {str(w.get("url", "")).rstrip("/"): w for w in listing.workers}
         for s in silent:
-            if isinstance(workers, str):
-                said = workers
-            else:
-                # Keyed by instance name with several instances (file discovery), else by URL.
-                said = router_view(workers.get(s.name) or workers.get(s.url))
+            said = listing.error or router_view(by_url.get(s.url))
             lines.append(f"router on {s.name}: {said}")
     return ok, lines

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from launch.pdlib import loads
 from launch.pdlib.stack import Role, Stack, http
+from launch.pdlib.unresponsive import no_answer
 
 MANIFEST_VERSION = 1
 DISCOVERY_ID = "smg.ai/discovery-id"
@@ -57,20 +58,37 @@ def put(stack: Stack, role: Role, in_rotation: bool) -> bool:
     return True
 
 
-def router_workers(stack: Stack) -> dict[str, dict] | str:
-    """The router's workers by instance name (GET /workers), or why they cannot be read."""
-    reply = http(stack.role("router").url + "/workers", api_key=stack.api_key)
+@dataclass(frozen=True)
+class RouterList:
+    """What the router's GET /workers gave: whether it answered at all, its workers, and what
+    was wrong when it gave none."""
+
+    answered: bool
+    workers: tuple[dict, ...] = ()
+    error: str = ""
+
+
+def list_workers(router_url: str, api_key: str = "", timeout_s: float = 5.0) -> RouterList:
+    reply = http(router_url + "/workers", timeout=timeout_s, api_key=api_key)
+    if reply.status is None:
+        return RouterList(False, error=no_answer("GET /workers", reply.error, timeout_s))
     if reply.status != 200:
-        return f"GET /workers: {reply.status or reply.error}"
+        return RouterList(True, error=f"GET /workers: {reply.status}")
     try:
         workers = reply.json()["workers"]
     except (ValueError, KeyError, TypeError):
-        return "GET /workers: not the JSON smg answers"
-    return {
-        w.get("labels", {}).get(DISCOVERY_ID) or w.get("url", "?"): w
-        for w in workers
-        if isinstance(w, dict)
-    }
+        workers = None
+    if not isinstance(workers, list):
+        return RouterList(True, error="GET /workers: not the JSON smg answers")
+    return RouterList(True, tuple(w for w in workers if isinstance(w, dict)))
+
+
+def router_workers(stack: Stack) -> dict[str, dict] | str:
+    """The router's workers by instance name (GET /workers), or why they cannot be read."""
+    listing = list_workers(stack.role("router").url, stack.api_key)
+    if listing.error:
+        return listing.error
+    return {w.get("labels", {}).get(DISCOVERY_ID) or w.get("url", "?"): w for w in listing.workers}
 
 
 def routable(worker: dict | None) -> bool:

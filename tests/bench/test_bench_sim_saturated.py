@@ -132,3 +132,46 @@ def test_slow_decode_under_load_is_engine_saturated_not_connection(tmp_path):
     }
     assert idle["generation_tokens_total"] >= REQUESTS * MAX_TOKENS
     assert stderr == ""
+
+
+def test_a_decode_step_that_never_ends_is_engine_stalled_naming_decode(tmp_path):
+    """The other engine-side verdict: decode holds requests and makes no progress at all (its
+    first step takes 1000 s). Triage must say stalled, name decode, and not blame prefill."""
+    with sim_stack_up(tmp_path, decode_env={"PD_SIM_DECODE_STEP_BASE_S": "1000"}) as stack:
+        urls = stack_from_env_dir(stack.env)
+
+        async def run() -> tuple[int, str]:
+            model = await first_model_id(urls.router_url, 10)
+            async with aiohttp.ClientSession() as session:
+                stuck = [
+                    asyncio.ensure_future(
+                        stream_chat(
+                            session,
+                            urls.router_url,
+                            ChatRequest(
+                                [{"role": "user", "content": f"stall {i}"}], 4, model=model
+                            ),
+                        )
+                    )
+                    for i in range(2)
+                ]
+                await asyncio.sleep(1.0)
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "bench/triage",
+                    *("--url", urls.router_url, "--env-dir", str(stack.env)),
+                    *("--probe-timeout-s", "3"),
+                    cwd=ROOT,
+                    stdout=asyncio.subprocess.PIPE,
+                )
+                out, _ = await asyncio.wait_for(proc.communicate(), 30)
+                for task in stuck:
+                    task.cancel()
+                return proc.returncode, out.decode()
+
+        code, out = asyncio.run(asyncio.wait_for(run(), 60))
+    print(out)
+    assert code == 0, out
+    assert "triage verdict: engine stalled" in out
+    assert "because: requests are on decode but it made no progress in the window" in out
+    assert "the router says:" not in out  # every engine answered

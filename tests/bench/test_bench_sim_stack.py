@@ -48,6 +48,7 @@ def test_stalled_proxy_is_blamed_on_the_connection_layer(sim_stack, fault_proxy)
         *SMALL,
         timeout_s=60,
     )
+    print(result.stdout)
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"no answer within the {DEADLINE_S} s deadline, connection reused" in result.stdout
     assert "triage verdict: connection layer between client and router" in result.stdout
@@ -189,6 +190,7 @@ def test_a_frozen_prefill_is_named_by_multiround_triage_and_nothing_answering_is
             timeout_s=90,
         )
     out = result.stdout
+    print(out)
     assert result.returncode == 1, out + result.stderr
     assert "triage verdict: engine unresponsive" in out, out
     assert (
@@ -220,6 +222,7 @@ def test_a_frozen_prefill_is_named_by_multiround_triage_and_nothing_answering_is
         "verdict: inconclusive: nothing in the stack answered, the router included: prefill ("
     ) in probe.stdout, probe.stdout
     out = result.stdout
+    print(out, probe.stdout, sep="\n")
     assert result.returncode == 3, out + result.stderr
     assert "triage verdict: inconclusive" in out
     assert "because: nothing in the stack answered, the router included: prefill (" in out

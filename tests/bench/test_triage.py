@@ -7,9 +7,9 @@ from bench.lib.triage import (
     UNRESPONSIVE,
     EngineLoad,
     Probe,
-    RouterList,
     decide,
 )
+from launch.pdlib.rotation import RouterList
 
 # /metrics excerpt as an SGLang decode server exposes it (two label sets summed).
 DECODE_METRICS = """\
@@ -178,7 +178,9 @@ def test_a_frozen_decode_is_named_with_what_it_did_not_answer_and_the_routers_wo
         [router],
         engines,
         2.0,
-        RouterList(True, {"http://127.0.0.1:2": {"is_healthy": False, "status": "not_ready"}}),
+        RouterList(
+            True, ({"url": "http://127.0.0.1:2", "is_healthy": False, "status": "not_ready"},)
+        ),
     )
     assert v.verdict == UNRESPONSIVE
     assert v.reason.startswith(
@@ -198,7 +200,9 @@ def test_a_frozen_prefill_is_named_even_before_the_router_notices():
         "client URL", "http://127.0.0.1:3", False, 10.0, error="no complete answer within 10 s"
     )
     engines = [_silent("prefill", 1), _answering("decode", 2)]
-    workers = RouterList(True, {"http://127.0.0.1:1": {"is_healthy": True, "status": "ready"}})
+    workers = RouterList(
+        True, ({"url": "http://127.0.0.1:1", "is_healthy": True, "status": "ready"},)
+    )
     v = decide([probe], engines, 2.0, workers)
     assert v.verdict == UNRESPONSIVE
     assert v.reason.startswith("prefill (http://127.0.0.1:1) did not answer")
@@ -213,7 +217,9 @@ def test_one_frozen_instance_of_several_is_the_one_named():
         _answering("decode/1", 3),
         _silent("decode/2", 4),
     ]
-    v = decide(FAST, engines, 2.0, RouterList(True, {"http://127.0.0.1:3": {"is_healthy": True}}))
+    v = decide(
+        FAST, engines, 2.0, RouterList(True, ({"url": "http://127.0.0.1:3", "is_healthy": True},))
+    )
     assert v.verdict == UNRESPONSIVE
     assert v.reason.startswith("decode/2 (http://127.0.0.1:4) did not answer")
     assert "prefill/1, prefill/2, decode/1 answered" in v.reason
@@ -241,9 +247,7 @@ def test_nothing_answering_at_all_is_inconclusive():
 def test_a_router_that_refuses_the_worker_list_still_answered():
     # A wrong key: the engines are silent, the probe timed out, but the router did answer 401.
     probe = Probe("client URL", "http://127.0.0.1:3", False, 10.0, error="no complete answer")
-    refused = RouterList(
-        True, error="GET /workers: ClientResponseError: 401, message='Unauthorized'"
-    )
+    refused = RouterList(True, error="GET /workers: 401")
     v = decide([probe], [_silent("prefill", 1), _silent("decode", 2)], 2.0, refused)
     assert v.verdict == UNRESPONSIVE
     assert v.router == [f"nothing about its workers: {refused.error}"]
