@@ -29,6 +29,7 @@ LAYER_TYPE = {
     4: "compressed_sparse_attention",
     128: "heavily_compressed_attention",
 }
+YARN = {"factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 # What sglang's DSV4 code asserts (see the module docstring).
 HEAD_DIM, ROPE_DIM, WINDOW, INDEX_HEAD_DIM, INDEX_TOPK = 512, 64, 128, 128, 512
 
@@ -119,6 +120,16 @@ def config(shape: Shape, vocab_size: int, bos: int, eos: int) -> dict:
         "rope_theta": 10000.0,
         "compress_rope_theta": 160000.0,
         "max_position_embeddings": 65536,
+        # YaRN on the c4/c128 layers (sliding-window layers keep the plain main RoPE), as
+        # DeepSeek's V4 configs have it; sglang reads rope_scaling, transformers the "compress"
+        # rope parameters. attention_factor 1: sglang's precompute_freqs_cis scales the
+        # frequencies only, where transformers' yarn would also scale cos and sin by
+        # 0.1 ln(factor) + 1.
+        "rope_scaling": dict(YARN, type="yarn"),
+        "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": 10000.0},
+            "compress": dict(YARN, rope_type="yarn", rope_theta=160000.0, attention_factor=1.0),
+        },
         "num_nextn_predict_layers": 0,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",

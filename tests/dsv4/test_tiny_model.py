@@ -154,3 +154,33 @@ def test_the_swa_standard_is_made_once_and_then_reused(tmp_path):
     assert cfg["compress_ratios"] == [0, 0] and cfg["layer_types"] == ["sliding_attention"] * 2
     again = _make("dsv4", "--standard", "swa", "--out", str(tmp_path / "m"), env_cache=tmp_path)
     assert again.returncode == 0 and "is up to date" in again.stdout, again.stdout
+
+
+def test_both_read_the_same_rope_from_the_config():
+    """Sliding-window layers rotate with the plain main RoPE, c4/c128 layers with YaRN on
+    compress_rope_theta: the frequencies transformers builds from the config equal the ones
+    sglang's DSV4 layers precompute from it (precompute_freqs_cis, with the layer's arguments
+    as deepseek_v4.py derives them), and neither scales cos and sin."""
+    from sglang.kernels.ops.attention.dsv4.rope import precompute_freqs_cis
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4RotaryEmbedding,
+    )
+
+    cfg = tiny_dsv4.config(tiny_dsv4.STANDARD["c4c128"], 421, 0, 1)
+    rope = DeepseekV4RotaryEmbedding(DeepseekV4Config(**cfg))
+    scaling = cfg["rope_scaling"]
+    for compressed, theirs in ((False, rope.main_inv_freq), (True, rope.compress_inv_freq)):
+        ours = precompute_freqs_cis(
+            dim=cfg["qk_rope_head_dim"],
+            seqlen=2,
+            original_seq_len=scaling["original_max_position_embeddings"] if compressed else 0,
+            base=cfg["compress_rope_theta"] if compressed else cfg["rope_theta"],
+            factor=scaling["factor"],  # deepseek_v4.py passes it to every layer
+            beta_fast=scaling["beta_fast"],
+            beta_slow=scaling["beta_slow"],
+        )[1].angle()
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+    assert rope.main_attention_scaling == rope.compress_attention_scaling == 1.0
+    # YaRN does change the compressed layers' frequencies (the check above is not vacuous).
+    assert not torch.allclose(rope.main_inv_freq, rope.compress_inv_freq)
