@@ -43,7 +43,7 @@ UP_TIMEOUT_S = 420
 WAITING_TIMEOUT_S = 10
 INFLIGHT_TIMEOUT_S = 10
 # Tries at a fault that races the engines' own timing (see its test), each on a stack at rest.
-FAULT_ATTEMPTS = 2
+FAULT_ATTEMPTS = 3
 # sglang's CPU engine flags, as env/cpu gives them, for the standalone engine.
 CPU_FLAGS = [
     "--device",
@@ -366,15 +366,49 @@ def _evidence(stack: Stack, role: str, schedulers: list[psutil.Process], spy: bo
     return "\n".join(lines)
 
 
-def _unread_bytes(receivers: list[psutil.Process], senders: list[psutil.Process]) -> int:
-    """Bytes the senders have sent to the receivers' TCP listening ports that the receivers
-    have not read yet: the rx_queue of those connections in /proc/net/tcp."""
-    listening = {
+def _within(condition, timeout_s: float) -> bool:
+    """Whether the condition holds within the time (polled every 0.2 s)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _listening(procs: list[psutil.Process]) -> set[int]:
+    return {
         c.laddr.port
-        for p in receivers
+        for p in procs
         for c in p.net_connections(kind="tcp4")
         if c.status == psutil.CONN_LISTEN
     }
+
+
+def _tcp_queues(receivers: list[psutil.Process], senders: list[psutil.Process]) -> str:
+    """Each TCP connection from the senders to the receivers' listening ports, with its state
+    and both ends' queues (/proc/net/tcp): where bytes wait."""
+    listening = _listening(receivers)
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    ends = {}
+    for f in rows:
+        local, remote = (int(x.rsplit(":", 1)[1], 16) for x in f[1:3])
+        ends[(local, remote)] = f
+    out = []
+    for (local, remote), f in ends.items():
+        if local in listening:
+            peer = ends.get((remote, local))
+            out.append(
+                f"{remote}->{local} st={f[3]} unread={int(f[4].split(':')[1], 16)} "
+                f"unsent={int(peer[4].split(':')[0], 16) if peer else '?'}"
+            )
+    return "; ".join(out) or "none"
+
+
+def _unread_bytes(receivers: list[psutil.Process], senders: list[psutil.Process]) -> int:
+    """Bytes the senders have sent to the receivers' TCP listening ports that the receivers
+    have not read yet: the rx_queue of those connections in /proc/net/tcp."""
+    listening = _listening(receivers)
     sending = {
         c.laddr.port
         for p in senders
@@ -419,9 +453,7 @@ def _freeze_decode_after_bootstrap(stack: Stack, timed_out: re.Pattern) -> tuple
     _suspend(prefill)
     try:
         # What already waits in prefill's sockets, read once prefill is stopped: from here on
-        # it can only grow. Read before the stop, it can count a message that prefill still
-        # reads before it stops; in one run in 15 here (and once in CI) the wait below then saw
-        # nothing until decode's own abort notification 10 s later, and prefill got both.
+        # it can only grow.
         time.sleep(0.2)
         unread = _unread_bytes(prefill, decode)
         call = Call(stack, GREEDY)
@@ -434,21 +466,36 @@ def _freeze_decode_after_bootstrap(stack: Stack, timed_out: re.Pattern) -> tuple
             30,
             "decode bootstrapping the room",
         )
+
         # Decode moves the room to its transfer queue right after it hands the room's metadata
         # to its socket (decode.py, after _send_kv_metadata); stop decode only once those bytes
         # wait in the stopped prefill's socket (they stay there until prefill runs again).
-        _wait_for(
+        def missed(what: str) -> tuple[Call, str]:
+            return call, (
+                f"{what}\nclient: {call.status} {call.text[:300]}\n"
+                f"prefill's sockets from decode: {_tcp_queues(prefill, decode)}\n"
+                + _evidence(stack, "prefill", prefill)
+                + "\n"
+                + _evidence(stack, "decode", decode, spy=False)
+            )
+
+        if not _within(
             lambda: loads.held(stack.loads("decode")).get("decode_transfer_queue_reqs") == 1,
             WAITING_TIMEOUT_S / 2,
-            "decode sending the room's metadata",
-            lambda: loads.held(stack.loads("decode")),
-        )
-        _wait_for(
-            lambda: _unread_bytes(prefill, decode) > unread,
-            WAITING_TIMEOUT_S / 2,
-            "decode's metadata for the room waiting in prefill's socket",
-            lambda: f"{_unread_bytes(prefill, decode)} bytes, {unread} before the request",
-        )
+        ):
+            return missed(
+                f"decode did not send the room's metadata within {WAITING_TIMEOUT_S / 2:g} s"
+            )
+        # Seen here 3 runs in 25 and once in CI: decode had the room in its transfer queue, yet
+        # no byte reached prefill's sockets for 5 s (0 unread before and after; in CI, until
+        # decode's own abort notification when its waiting timeout failed the room).
+        # Decode's own waiting timeout runs from that send: stop it well before.
+        sent_s = WAITING_TIMEOUT_S - 2
+        if not _within(lambda: _unread_bytes(prefill, decode) > unread, sent_s):
+            return missed(
+                f"decode's metadata did not reach prefill's sockets within {sent_s:g} s "
+                f"({_unread_bytes(prefill, decode)} bytes unread, {unread} before the request)"
+            )
         _suspend(decode)
         _resume(prefill)
         held = time.monotonic()
@@ -459,15 +506,9 @@ def _freeze_decode_after_bootstrap(stack: Stack, timed_out: re.Pattern) -> tuple
             if counts.get(INFLIGHT) == 1:
                 inflight.append(counts)
             elif time.monotonic() > deadline:
-                return call, (
+                return missed(
                     "prefill did not hold the room in its inflight queue within "
-                    f"{INFLIGHT_TIMEOUT_S} s of resuming\nclient: {call.status} "
-                    f"{call.text[:300]}\n"
-                    + _evidence(stack, "prefill", prefill)
-                    + "\n"
-                    + _evidence(stack, "decode", decode, spy=False)
-                    + "\nrouter.log, last lines:\n"
-                    + "\n".join(stack.log("router").splitlines()[-20:])
+                    f"{INFLIGHT_TIMEOUT_S} s of resuming"
                 )
             else:
                 time.sleep(0.2)
@@ -535,10 +576,12 @@ def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(
     the whole timeout). The /metrics inflight gauge is not one of them: sglang sets it when it
     logs a batch, before the room enters the queue, so it read 0 throughout in 2 of 4 runs.
 
-    The fault races the engines' own timing, and once in a full CI run the room never reached
-    prefill's inflight queue (prefill held nothing 10 s after resuming). Such a try is not a
-    pass: it warns with both engines' state, logs and (where py-spy is installed) prefill's
-    stacks, the stack comes back to rest, and the fault is tried again, up to FAULT_ATTEMPTS."""
+    The fault races the engines' own timing: in about 1 run in 10 decode's metadata for the
+    room did not reach the stopped prefill's sockets, though decode had queued the room for
+    transfer. Such a try (or one where the room never reaches prefill's inflight queue) is not
+    a pass: it warns with the sockets' queues, both engines' state and logs and (where py-spy is
+    installed) prefill's stacks, the stack comes back to rest, and the fault is tried again, up
+    to FAULT_ATTEMPTS times."""
     # Patch 0003's own warning (upstream's failure line that follows quotes the same reason).
     timed_out = re.compile(
         r"bootstrap_room=\d+: KV transfer did not conclude within "
