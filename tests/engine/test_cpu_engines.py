@@ -389,6 +389,7 @@ def _tcp_queues(receivers: list[psutil.Process], senders: list[psutil.Process]) 
     """Each TCP connection from the senders to the receivers' listening ports, with its state
     and both ends' queues (/proc/net/tcp): where bytes wait."""
     listening = _listening(receivers)
+    sending = {c.laddr.port for p in senders for c in p.net_connections(kind="tcp4") if c.raddr}
     rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
     ends = {}
     for f in rows:
@@ -396,7 +397,7 @@ def _tcp_queues(receivers: list[psutil.Process], senders: list[psutil.Process]) 
         ends[(local, remote)] = f
     out = []
     for (local, remote), f in ends.items():
-        if local in listening:
+        if local in listening and remote in sending:
             peer = ends.get((remote, local))
             out.append(
                 f"{remote}->{local} st={f[3]} unread={int(f[4].split(':')[1], 16)} "
