@@ -133,6 +133,13 @@ def config(shape: Shape, vocab_size: int, bos: int, eos: int) -> dict:
         "num_nextn_predict_layers": 0,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
+        # Fields of DeepSeek's V4 config that sglang reads (DeepseekV2MoE's gate), with
+        # groups sized for the few experts here.
+        "topk_method": "noaux_tc",
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 0,
+        "moe_layer_freq": 1,
         # sglang's names for the schedule
         "compress_ratios": list(shape.compress_ratios),
         "window_size": WINDOW,
