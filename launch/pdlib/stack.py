@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import urllib.error
 import urllib.request
@@ -17,11 +18,41 @@ ROOT = Path(__file__).resolve().parents[2]
 SIM_HEALTH_TIMEOUT_S = 30.0
 
 
-def free_loopback_ports(n: int) -> list[int]:
-    """n distinct free 127.0.0.1 ports (all held open until chosen, so no two are the same)."""
-    socks = []
+def _ephemeral_low() -> int:
     try:
-        for _ in range(n):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _candidates(n: int) -> list[int]:
+    """Ports from 10000 up to the ephemeral range, shuffled (none where that range is small)."""
+    low = _ephemeral_low()
+    ports = list(range(10000, low)) if low > 10000 + 4 * n else []
+    random.SystemRandom().shuffle(ports)
+    return ports
+
+
+def free_loopback_ports(n: int) -> list[int]:
+    """n distinct free 127.0.0.1 ports (all held open until chosen, so no two are the same).
+
+    They come from below the kernel's ephemeral range: a port from bind(0) is an ephemeral
+    one, and between choosing it and the server binding it (a minute or more for an engine)
+    any outgoing connection on the machine may take it as its local port. Seen once: the
+    router's metrics port, taken while the engines started."""
+    socks: list[socket.socket] = []
+    try:
+        for port in _candidates(n):
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:  # no room below the ephemeral range: the kernel's choice
             s = socket.socket()
             s.bind(("127.0.0.1", 0))
             socks.append(s)
