@@ -43,7 +43,7 @@ UP_TIMEOUT_S = 420
 WAITING_TIMEOUT_S = 10
 INFLIGHT_TIMEOUT_S = 10
 # Tries at a fault that races the engines' own timing (see its test), each on a stack at rest.
-FAULT_ATTEMPTS = 3
+FAULT_ATTEMPTS = 4
 # sglang's CPU engine flags, as env/cpu gives them, for the standalone engine.
 CPU_FLAGS = [
     "--device",
