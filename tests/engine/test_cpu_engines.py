@@ -487,9 +487,10 @@ def _freeze_decode_after_bootstrap(stack: Stack, timed_out: re.Pattern) -> tuple
             return missed(
                 f"decode did not send the room's metadata within {WAITING_TIMEOUT_S / 2:g} s"
             )
-        # Seen here 3 runs in 25 and once in CI: decode had the room in its transfer queue, yet
-        # no byte reached prefill's sockets for 5 s (0 unread before and after; in CI, until
-        # decode's own abort notification when its waiting timeout failed the room).
+        # Seen in 4 of about 30 tries here and once in CI: decode had the room in its transfer
+        # queue, yet no byte reached prefill's sockets for 5-8 s (0 unread before and after,
+        # nothing unsent; in CI, until decode's own abort notification when its waiting
+        # timeout failed the room).
         # Decode's own waiting timeout runs from that send: stop it well before.
         sent_s = WAITING_TIMEOUT_S - 2
         if not _within(lambda: _unread_bytes(prefill, decode) > unread, sent_s):
@@ -577,7 +578,7 @@ def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(
     the whole timeout). The /metrics inflight gauge is not one of them: sglang sets it when it
     logs a batch, before the room enters the queue, so it read 0 throughout in 2 of 4 runs.
 
-    The fault races the engines' own timing: in about 1 run in 10 decode's metadata for the
+    The fault races the engines' own timing: in about 1 try in 7 decode's metadata for the
     room did not reach the stopped prefill's sockets, though decode had queued the room for
     transfer. Such a try (or one where the room never reaches prefill's inflight queue) is not
     a pass: it warns with the sockets' queues, both engines' state and logs and (where py-spy is
