@@ -5,7 +5,8 @@ layout that both sglang's DSV4 loader (`remap_weight_name_to_dpsk_hf_format`) an
 own V4 conversion read: `layers.N.attn.wq_a.weight`, `layers.N.ffn.experts.E.w1.weight`,
 `embed.weight`, `head.weight`, `hc_head_fn`, ... (`checkpoint_name` is the one mapping from
 transformers' names). The config carries both spellings of the schedule: sglang reads
-`compress_ratios`, `window_size` and `n_hash_layers`, transformers `layer_types`,
+`compress_ratios`, `window_size` and `num_hash_layers` (DeepSeek's name, which transformers also
+takes), transformers `layer_types`,
 `sliding_window` and `mlp_layer_types`.
 
 Sizes the DSV4 code asserts keep their real values (head_dim 512 = 448 + 64 rope, one KV head,
@@ -143,7 +144,8 @@ def config(shape: Shape, vocab_size: int, bos: int, eos: int) -> dict:
         # sglang's names for the schedule
         "compress_ratios": list(shape.compress_ratios),
         "window_size": WINDOW,
-        "n_hash_layers": shape.hash_layers,
+        "num_hash_layers": shape.hash_layers,  # what sglang's DeepseekV2MoE reads
+        "n_hash_layers": shape.hash_layers,  # sglang's DeepSeekV4Config field
         # transformers' names for the same schedule
         "layer_types": [LAYER_TYPE[r] for r in shape.compress_ratios],
         "sliding_window": WINDOW,
@@ -165,6 +167,12 @@ _TOP_LEVEL = {
 }
 
 
+# transformers reads both `attn.norm` and `attn.kv_norm` for the attention's KV norm (its
+# `.norm.` -> `.kv_norm.` rename does not touch `kv_norm`), and writes back `attn.norm`; sglang's
+# loader wants `attn.kv_norm` (MQALayer.kv_norm), as DeepSeek ships it.
+_ATTN_KV_NORM = re.compile(r"(layers\.\d+\.attn)\.norm\.weight")
+
+
 def checkpoint_name(saved: str) -> str:
     """DeepSeek's checkpoint name for a tensor that transformers' save_pretrained wrote."""
     if saved in _TOP_LEVEL:
@@ -172,7 +180,7 @@ def checkpoint_name(saved: str) -> str:
     if saved == "head.weight":
         return saved
     if saved.startswith("model.layers."):
-        return saved.removeprefix("model.")
+        return _ATTN_KV_NORM.sub(r"\1.kv_norm.weight", saved.removeprefix("model."))
     raise ValueError(f"no DeepSeek-V4 checkpoint name for {saved!r}")
 
 

@@ -23,7 +23,7 @@ TOP_LEVEL = {"embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_hea
 TOP_LEVEL |= {"hc_head_scale"}
 LAYER = re.compile(
     r"layers\.\d+\.("
-    r"attn\.(wq_a|wq_b|wkv|wo_a|wo_b|q_norm|kv_norm|norm)\.weight|attn\.attn_sink"
+    r"attn\.(wq_a|wq_b|wkv|wo_a|wo_b|q_norm|kv_norm)\.weight|attn\.attn_sink"
     r"|attn\.compressor\.(wkv|wgate|norm)\.weight|attn\.compressor\.ape"
     r"|attn\.indexer\.(wq_b|weights_proj)\.weight"
     r"|attn\.indexer\.compressor\.(wkv|wgate|norm)\.weight|attn\.indexer\.compressor\.ape"
@@ -53,6 +53,8 @@ def test_every_tensor_has_a_deepseek_checkpoint_name(made):
     assert not any(n.startswith("layers.0.attn.compressor") for n in names)
     assert not any(n.startswith("layers.2.attn.indexer") for n in names)
     assert "layers.0.ffn.gate.tid2eid" in names  # the hash-routed layer
+    # The attention's KV norm under sglang's name (MQALayer.kv_norm), not transformers' `norm`.
+    assert "layers.0.attn.kv_norm.weight" in names
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(n).dtype for n in names if "tid2eid" not in n} == {torch.bfloat16}
 
@@ -110,7 +112,7 @@ def test_sglang_reads_the_names_and_the_schedule(made):
     sg = get_config(str(out), trust_remote_code=False)  # what sglang's ModelConfig reads
     assert sg.model_type == "deepseek_v4" and sg.architectures == ["DeepseekV4ForCausalLM"]
     assert list(sg.compress_ratios) == list(shape.compress_ratios)
-    assert (sg.window_size, sg.n_hash_layers) == (128, shape.hash_layers)
+    assert (sg.window_size, sg.num_hash_layers) == (128, shape.hash_layers)
     assert (sg.qk_nope_head_dim, sg.qk_rope_head_dim, sg.v_head_dim) == (448, 64, 512)
     assert (sg.index_head_dim, sg.index_topk, sg.num_key_value_heads) == (128, 512, 1)
 
