@@ -1,0 +1,519 @@
+#!/usr/bin/env python3
+"""DeepSeek-V4's real sglang model path on CPU, into the mma kernel, checked three ways.
+
+A tiny DSV4 (tools/make_tiny_model.py dsv4) goes through sglang's own ModelRunner, as
+`sglang.benchmark.one_batch` drives it: the real loader, KV pool, allocator and the DSV4 backend's
+metadata, with `get_platform().is_sm120` set in-process so that attention goes through
+`flash_mla_with_kvcache_sm120`. It runs a prefill and --steps decode steps twice, in two fresh
+processes: with SGLANG_SM120_FLASHMLA_BACKEND=mma (our kernel, under the Triton interpreter) and
+with upstream's `torch` backend, fed the mma run's greedy tokens. transformers' own DSV4 runs the
+same weights on the same tokens in float32, with its KV quantized to FP8 as sglang's pool stores
+it (and once without, for scale).
+
+It checks:
+1. every kernel call (spied on, and counted: one per layer per forward): `k_cache` is a view of
+   the pool's own buffer for that layer, the index lists, lengths and sink are the ones the
+   backend built, each row's SWA length is min(position + 1, window), and the output matches
+   upstream's torch reference (`_sm120_sparse_decode_fwd`) on the same arguments;
+2. the whole model, per step: max abs diff, cosine and top-1 of the logits, mma against torch
+   (greedy tokens must be identical) and against transformers.
+
+Prints a per-step table and a verdict; exits 0 when every check holds, 1 when one does not, 2 on
+bad input (a model directory missing a file, a config that is not DSV4, a compress ratio sglang
+does not support).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ("mma", "torch")
+SUPPORTED_RATIOS = {0, 4, 128}
+# What this check runs on CPU today; the c4/c128 compressor has no CPU path yet.
+CPU_RATIOS = {0}
+# The switches that keep sglang's DSV4 path on ops with a CPU implementation (torch or the
+# Triton interpreter) instead of TileLang/DeepGEMM/JIT CUDA ones.
+CPU_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "TRITON_INTERPRET": "1",
+    "SGLANG_OPT_USE_TILELANG_MHC_PRE": "0",
+    "SGLANG_OPT_USE_TILELANG_MHC_POST": "0",
+    "SGLANG_OPT_FUSE_MHC_POST_PRE": "0",
+    "SGLANG_OPT_DEEPGEMM_HC_PRENORM": "0",
+    "SGLANG_OPT_USE_FUSED_HASH_TOPK": "0",
+    "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
+}
+
+# Thresholds (see README "DeepSeek-V4 on CPU" for how they were chosen).
+# mma vs torch: the same FP8 cache and the same arguments, so only the kernels' own bf16
+# rounding (P and the output, in different orders; up to 1% of a call's largest output) separates
+# them, carried through the layers after it. Max abs is taken relative to the logits' std.
+MMA_TORCH_MIN_COS = 0.9995
+MMA_TORCH_MAX_REL = 0.1
+# sglang vs transformers with FP8-quantized KV: bf16 weights and activations in sglang against
+# float32 in transformers, over every layer.
+HF_MIN_COS = 0.999
+HF_MIN_TOP1 = 1.0
+
+
+class BadInput(Exception):
+    pass
+
+
+def _fail(msg: str) -> int:
+    print(f"dsv4_check: {msg}", file=sys.stderr)
+    return 2
+
+
+def check_model_dir(model: Path) -> dict:
+    """The model directory's config, or BadInput naming what is wrong."""
+    if not model.is_dir():
+        raise BadInput(f"{model}: no such model directory")
+    for name in ("config.json", "tokenizer.json"):
+        if not (model / name).is_file():
+            raise BadInput(f"{model}: missing {name}")
+    if not list(model.glob("*.safetensors")):
+        raise BadInput(f"{model}: missing the weights (*.safetensors)")
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise BadInput(f"{model}/config.json: not JSON ({err})") from None
+    if cfg.get("model_type") != "deepseek_v4":
+        raise BadInput(
+            f"{model}: model_type is {cfg.get('model_type')!r}, not 'deepseek_v4' "
+            "(make one with tools/make_tiny_model.py dsv4)"
+        )
+    ratios = cfg.get("compress_ratios")
+    if not isinstance(ratios, list) or not ratios:
+        raise BadInput(f"{model}/config.json: no compress_ratios list")
+    bad = sorted(set(ratios) - SUPPORTED_RATIOS)
+    if bad:
+        raise BadInput(
+            f"{model}/config.json: compress ratio(s) {bad} are not ones sglang's DSV4 supports "
+            f"({sorted(SUPPORTED_RATIOS)})"
+        )
+    if set(ratios) - CPU_RATIOS:
+        raise BadInput(
+            f"{model}: compressed layers (ratios {sorted(set(ratios) - CPU_RATIOS)}) need the "
+            "c4/c128 compressor, which has no CPU path yet; use --standard swa"
+        )
+    return cfg
+
+
+def standard_model(standard: str) -> Path:
+    """The standard tiny DSV4, made (or reused) by tools/make_tiny_model.py."""
+    cmd = [sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "dsv4"]
+    proc = subprocess.run(
+        [*cmd, "--standard", standard], capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode != 0:
+        raise BadInput(f"tools/make_tiny_model.py dsv4 failed:\n{proc.stderr.strip()}")
+    sys.path.insert(0, str(ROOT))
+    from tools import make_tiny_model, tiny_dsv4
+
+    return make_tiny_model.cache_dir() / tiny_dsv4.STANDARD[standard].name
+
+
+def prompt_ids(cfg: dict, length: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    special = {cfg.get("bos_token_id"), cfg.get("eos_token_id")}
+    pool = [t for t in range(cfg["vocab_size"]) if t not in special]
+    return [cfg["bos_token_id"], *(rng.choice(pool) for _ in range(length - 1))]
+
+
+# --- the worker: one backend, in its own process -----------------------------------------
+
+
+class KernelSpy:
+    """Wraps flash_mla_with_kvcache_sm120 and the backend's _forward_attention."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.calls: list[dict] = []
+        self._ctx: list[tuple] = []
+
+    def install(self) -> None:
+        import inspect
+
+        import sglang.kernels.ops.attention.flash_mla_sm120 as fm
+        from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
+
+        kernel = fm.flash_mla_with_kvcache_sm120
+        forward_attention = DeepseekV4AttnBackend._forward_attention
+        signature = inspect.signature(forward_attention)
+        spy = self
+
+        def _forward_attention(backend, *args, **kwargs):
+            bound = signature.bind(backend, *args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            spy._ctx.append((backend, a["layer"].layer_id, a["compress_ratio"], a))
+            try:
+                return forward_attention(backend, *args, **kwargs)
+            finally:
+                spy._ctx.pop()
+
+        def flash_mla_with_kvcache_sm120(**kw):
+            out = kernel(**kw)
+            spy.record(fm, kw, out)
+            return out
+
+        DeepseekV4AttnBackend._forward_attention = _forward_attention
+        fm.flash_mla_with_kvcache_sm120 = flash_mla_with_kvcache_sm120
+
+    def record(self, fm, kw: dict, out) -> None:
+        import torch
+
+        backend, layer_id, ratio, fa_args = self._ctx[-1]
+        pool = backend.token_to_kv_pool
+        md = backend.forward_metadata.core_attn_metadata
+        q, indices, lengths = kw["q"], kw["indices"], kw["topk_length"]
+        rows = q.shape[0]
+
+        def same_storage(view, buf) -> bool:
+            return view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+        def rows_equal(got, built) -> bool:
+            return torch.equal(got.reshape(rows, -1), built[:rows].reshape(rows, -1))
+
+        checks = {
+            "k_cache is the pool's buffer": same_storage(
+                kw["k_cache"], pool.get_swa_key_buffer_radix(layer_id)
+            ),
+            "indices are the backend's": rows_equal(indices, md.swa_page_indices),
+            "lengths are the backend's": rows_equal(lengths, md.swa_topk_lengths),
+        }
+        sink = fa_args["attn_sink"]
+        given = kw["attn_sink"]
+        checks["sink is the layer's"] = torch.equal(given, sink[: given.shape[0]])
+        if ratio != 0:
+            checks["extra cache is the pool's"] = same_storage(
+                kw["extra_k_cache"], pool.get_extra_key_buffer(layer_id)
+            )
+        positions = backend.forward_metadata.core_attn_metadata.positions[:rows].long()
+        want = torch.clamp(positions + 1, max=self.window)
+        checks["SWA length = min(pos + 1, window)"] = torch.equal(lengths.reshape(-1).long(), want)
+        ref_out, ref_lse = fm._sm120_sparse_decode_fwd(
+            kw["q"],
+            kw["k_cache"],
+            kw["indices"],
+            kw["topk_length"],
+            kw["attn_sink"],
+            kw["head_dim_v"],
+            kw["softmax_scale"],
+            kw.get("extra_k_cache"),
+            kw.get("extra_indices_in_kvcache"),
+            kw.get("extra_topk_length"),
+        )
+        o, r = out[0].float(), ref_out.float()
+        err = (o - r).abs()
+        tol = 1e-2 * r.abs().amax().clamp(min=1.0) + 1e-2 * r.abs()
+        lse, rlse = out[1].reshape(ref_lse.shape), ref_lse
+        finite = rlse.isfinite()
+        lse_err = (lse[finite] - rlse[finite]).abs().max().item() if finite.any() else 0.0
+        checks["output matches the torch reference"] = bool((err <= tol).all())
+        checks["lse matches the torch reference"] = lse_err <= 1e-3 and torch.equal(
+            lse.isfinite(), finite
+        )
+        self.calls.append(
+            {
+                "layer": layer_id,
+                "ratio": ratio,
+                "rows": rows,
+                "heads": q.shape[-2],
+                "max_err": err.max().item(),
+                "lse_err": lse_err,
+                "failed": [name for name, ok in checks.items() if not ok],
+            }
+        )
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One backend's run; writes tokens, logits and the spied calls to --out."""
+    import torch
+    from sglang.benchmark import one_batch as ob
+    from sglang.srt.runtime_context import override_platform
+    from sglang.srt.server_args import ServerArgs
+
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    ids = json.loads(args.prompt_ids)
+    forced = json.loads(args.forced) if args.forced else None
+    spy = KernelSpy(window=cfg["window_size"])
+    result: dict = {}
+
+    def run(server_args, port_args, bench_args, gpu_id, tp_rank):
+        ob.publish(
+            server_args,
+            role="scheduler",
+            ranks=ob.SpawnRanks(
+                world_rank=ob.spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=0),
+                gpu_id=gpu_id,
+            ),
+        )
+        ob._init_process_global_configs()
+        runner, _ = ob.load_model(server_args, port_args, gpu_id, tp_rank)
+        spy.install()
+        reqs = ob.prepare_synthetic_inputs_for_latency_test(1, len(ids), custom_inputs=[ids])
+        t0 = time.monotonic()
+        next_ids, logits, batch = runner.extend(reqs)
+        tokens, all_logits = [int(next_ids[0])], [logits[0].float().clone()]
+        for step in range(args.steps):
+            feed = tokens[-1] if forced is None else forced[step]
+            next_ids, logits = runner.decode(torch.tensor([feed]), batch)
+            tokens.append(int(next_ids[0]))
+            all_logits.append(logits[0].float().clone())
+        result.update(
+            tokens=tokens,
+            logits=torch.stack(all_logits),
+            calls=spy.calls,
+            seconds=time.monotonic() - t0,
+            layers=len(cfg["compress_ratios"]),
+        )
+        runner.cleanup(batch)
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ob.BenchArgs.add_cli_args(parser)
+    cli = parser.parse_args(
+        [
+            "--model-path", str(args.model), "--device", "cpu", "--disable-cuda-graph",
+            "--sampling-backend", "pytorch", "--max-total-tokens", "8192",
+            "--swa-full-tokens-ratio", "0.5", "--max-running-requests", "4",
+            "--batch-size", "1", "--correctness-test", "--log-level", "warning",
+        ]
+    )  # fmt: skip
+    ob.correctness_test = run  # main() resolves the server args, then calls this
+    with override_platform(is_sm120=True):
+        ob.main(ServerArgs.from_cli_args(cli), ob.BenchArgs.from_cli_args(cli))
+    torch.save(result, args.out)
+    return 0
+
+
+def run_backend(backend: str, model: Path, ids, steps, forced, out: Path, timeout: float):
+    env = {**os.environ, **CPU_ENV, "SGLANG_SM120_FLASHMLA_BACKEND": backend}
+    cmd = [
+        sys.executable, __file__, "--worker", "--model", str(model), "--steps", str(steps),
+        "--prompt-ids", json.dumps(ids), "--out", str(out),
+    ]  # fmt: skip
+    if forced is not None:
+        cmd += ["--forced", json.dumps(forced)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+        raise RuntimeError(f"the {backend} run failed (exit {proc.returncode}):\n{tail}")
+    import torch
+
+    res = torch.load(out, weights_only=False)
+    res["wall"] = time.monotonic() - t0
+    return res
+
+
+# --- transformers' DSV4 --------------------------------------------------------------------
+
+
+def transformers_logits(model: Path, tokens: list[int], positions: range, fp8_kv: bool):
+    """Logits at `positions` of transformers' DSV4 on `tokens`, float32; with fp8_kv the
+    attention's KV nope part is quantized to FP8 e4m3 with UE8M0 tile scales, as sglang's pool
+    stores it (the rope part stays bf16-exact in float32 here)."""
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    hf = DeepseekV4ForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    hooks = []
+    if fp8_kv:
+        quant = _fp8_round_trip
+        for layer in hf.model.layers:
+            attn = layer.self_attn
+            hooks.append(attn.kv_norm.register_forward_hook(lambda m, i, o: quant(o)))
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor([tokens])).logits[0]
+    for h in hooks:
+        h.remove()
+    return out[list(positions)].float()
+
+
+def _fp8_round_trip(kv):
+    """kv [..., 512]: the first 448 values through FP8 e4m3 with a UE8M0 scale per 64, the rope
+    part rounded to bf16, as sglang's V4 pool stores a row."""
+    import torch
+
+    nope, rope = kv[..., :448], kv[..., 448:]
+    tiles = nope.reshape(-1, 7, 64)
+    scale_raw = tiles.abs().amax(-1).clamp_min(1e-4) / 448.0
+    scale = torch.exp2(torch.ceil(torch.log2(scale_raw)))
+    q = (tiles / scale.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    nope = (q * scale.unsqueeze(-1)).reshape(nope.shape)
+    return torch.cat([nope, rope.to(torch.bfloat16).float()], -1).to(kv.dtype)
+
+
+# --- comparison and report -----------------------------------------------------------------
+
+
+def compare(a, b) -> dict:
+    import torch
+
+    a, b = a.float(), b.float()
+    return {
+        "max_abs": (a - b).abs().max().item(),
+        "cos": torch.nn.functional.cosine_similarity(a, b, dim=-1).item(),
+        "top1": int(a.argmax()) == int(b.argmax()),
+    }
+
+
+def report(runs: dict, hf: dict, steps: int, layers: int) -> tuple[list[str], list[str]]:
+    """(table lines, failures)."""
+    mma, torch_run = runs["mma"], runs["torch"]
+    failures: list[str] = []
+    lines = [
+        "step  tok mma  tok torch  tok hf | mma-torch max_abs  /std    cos      | "
+        "mma-hf(fp8 kv) max_abs  cos     top1 | mma-hf(fp32 kv) cos"
+    ]
+    for i in range(steps + 1):
+        mt = compare(mma["logits"][i], torch_run["logits"][i])
+        mh = compare(mma["logits"][i], hf["fp8"][i])
+        mh32 = compare(mma["logits"][i], hf["fp32"][i])
+        hf_tok = int(hf["fp8"][i].argmax())
+        rel = mt["max_abs"] / torch_run["logits"][i].float().std().item()
+        lines.append(
+            f"{i:>4}  {mma['tokens'][i]:>7}  {torch_run['tokens'][i]:>9}  {hf_tok:>6} | "
+            f"{mt['max_abs']:>17.4g}  {rel:.4f}  {mt['cos']:.6f} | {mh['max_abs']:>22.4g}  "
+            f"{mh['cos']:.5f}  {'yes' if mh['top1'] else 'NO':>4} | {mh32['cos']:.5f}"
+        )
+        if mma["tokens"][i] != torch_run["tokens"][i]:
+            failures.append(f"step {i}: greedy token mma {mma['tokens'][i]} != torch "
+                            f"{torch_run['tokens'][i]}")  # fmt: skip
+        if mt["cos"] < MMA_TORCH_MIN_COS or rel > MMA_TORCH_MAX_REL:
+            failures.append(f"step {i}: mma vs torch logits cos {mt['cos']:.6f}, max abs "
+                            f"{rel:.4f} of their std (limits {MMA_TORCH_MIN_COS}, "
+                            f"{MMA_TORCH_MAX_REL})")  # fmt: skip
+        if mh["cos"] < HF_MIN_COS:
+            failures.append(f"step {i}: mma vs transformers (fp8 kv) cos {mh['cos']:.5f} < "
+                            f"{HF_MIN_COS}")  # fmt: skip
+    top1 = sum(compare(mma["logits"][i], hf["fp8"][i])["top1"] for i in range(steps + 1))
+    if top1 / (steps + 1) < HF_MIN_TOP1:
+        failures.append(f"top-1 agreement with transformers (fp8 kv) {top1}/{steps + 1}")
+    for name, run in runs.items():
+        want = layers * (steps + 1)
+        if len(run["calls"]) != want:
+            failures.append(f"{name}: {len(run['calls'])} kernel calls, expected {want} "
+                            f"({layers} layers x {steps + 1} forwards)")  # fmt: skip
+        for c in run["calls"]:
+            if c["failed"]:
+                failures.append(f"{name}: layer {c['layer']} call ({c['rows']} rows): "
+                                + ", ".join(c["failed"]))  # fmt: skip
+        worst = max((c["max_err"] for c in run["calls"]), default=0.0)
+        lines.append(
+            f"{name}: {len(run['calls'])} kernel calls (expected {layers * (steps + 1)}), "
+            f"worst |out - torch reference| {worst:.3g}, run {run['seconds']:.1f} s "
+            f"({run['wall']:.1f} s with load)"
+        )
+    return lines, failures
+
+
+def parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="bench/dsv4_check",
+        description="Run a tiny DeepSeek-V4 through sglang's real model path on CPU into the "
+        "mma kernel (Triton interpreter); check each kernel call and the logits against "
+        "upstream's torch backend and transformers' DSV4.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", type=Path, help="a DSV4 model directory (default: --standard)")
+    src.add_argument(
+        "--standard",
+        choices=("swa", "c4c128"),
+        default="swa",
+        help="the standard tiny model, made or reused by tools/make_tiny_model.py (default: swa)",
+    )
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=160,
+        help="prompt tokens, seeded; longer than the 128-token window (default: 160)",
+    )
+    p.add_argument("--steps", type=int, default=6, help="decode steps (default: 6)")
+    p.add_argument("--seed", type=int, default=1, help="prompt seed (default: 1)")
+    p.add_argument(
+        "--timeout", type=float, default=900, help="seconds for each backend's run (default: 900)"
+    )
+    p.add_argument("--json", type=Path, help="write the per-step numbers and calls here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--prompt-ids", help=argparse.SUPPRESS)
+    p.add_argument("--forced", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)  # fmt: skip
+    if args.prompt_len < 2 or args.steps < 1:
+        p.error("--prompt-len must be >= 2 and --steps >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        return worker(args)
+    try:
+        model = args.model or standard_model(args.standard)
+        cfg = check_model_dir(model)
+    except BadInput as err:
+        return _fail(str(err))
+    ids = prompt_ids(cfg, args.prompt_len, args.seed)
+    layers = len(cfg["compress_ratios"])
+    print(f"dsv4_check: {model.name}: layers {cfg['compress_ratios']}, "
+          f"{cfg['num_attention_heads']} heads, prompt {len(ids)} tokens, {args.steps} decode "
+          "steps", flush=True)  # fmt: skip
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="dsv4_check.") as tmp:
+        for backend in BACKENDS:
+            forced = None if backend == "mma" else runs["mma"]["tokens"][: args.steps]
+            print(f"dsv4_check: sglang with the {backend} backend ...", flush=True)
+            try:
+                runs[backend] = run_backend(
+                    backend, model, ids, args.steps, forced, Path(tmp) / f"{backend}.pt",
+                    args.timeout,
+                )  # fmt: skip
+            except (RuntimeError, subprocess.TimeoutExpired) as err:
+                print(f"dsv4_check: {err}", file=sys.stderr)
+                return 1
+    print("dsv4_check: transformers' DSV4 (float32) ...", flush=True)
+    tokens = ids + runs["mma"]["tokens"][: args.steps]
+    at = range(len(ids) - 1, len(ids) + args.steps)
+    hf = {
+        "fp8": transformers_logits(model, tokens, at, fp8_kv=True),
+        "fp32": transformers_logits(model, tokens, at, fp8_kv=False),
+    }
+    lines, failures = report(runs, hf, args.steps, layers)
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "model": str(model),
+                    "prompt_len": len(ids),
+                    "steps": args.steps,
+                    "tokens": {k: v["tokens"] for k, v in runs.items()},
+                    "calls": {k: v["calls"] for k, v in runs.items()},
+                    "failures": failures,
+                },
+                indent=1,
+            )
+        )
+    if failures:
+        print("dsv4_check: FAIL\n  " + "\n  ".join(failures))
+        return 1
+    print("dsv4_check: PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
