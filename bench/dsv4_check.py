@@ -170,6 +170,21 @@ class KernelSpy:
 
         DeepseekV4AttnBackend._forward_attention = _forward_attention
         fm.flash_mla_with_kvcache_sm120 = flash_mla_with_kvcache_sm120
+        self._count_interpreted_kernels()
+
+    def _count_interpreted_kernels(self) -> None:
+        """Name every Triton kernel that runs (they all run in the interpreter here)."""
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.triton: dict[str, int] = {}
+        run, spy = InterpretedFunction.run, self
+
+        def counted(fn, *args, **kwargs):
+            name = f"{fn.fn.__module__}.{fn.fn.__name__}"
+            spy.triton[name] = spy.triton.get(name, 0) + 1
+            return run(fn, *args, **kwargs)
+
+        InterpretedFunction.run = counted
 
     def record(self, fm, kw: dict, out) -> None:
         import torch
@@ -276,6 +291,7 @@ def worker(args: argparse.Namespace) -> int:
             tokens=tokens,
             logits=torch.stack(all_logits),
             calls=spy.calls,
+            triton=spy.triton,
             seconds=time.monotonic() - t0,
             layers=len(cfg["compress_ratios"]),
         )
@@ -413,6 +429,10 @@ def report(runs: dict, hf: dict, steps: int, layers: int) -> tuple[list[str], li
                 failures.append(f"{name}: layer {c['layer']} call ({c['rows']} rows): "
                                 + ", ".join(c["failed"]))  # fmt: skip
         worst = max((c["max_err"] for c in run["calls"]), default=0.0)
+        kernels = ", ".join(
+            f"{k.rsplit('.', 1)[-1]} x{v}" for k, v in sorted(run["triton"].items())
+        )
+        lines.append(f"{name}: Triton kernels run (interpreter): {kernels or 'none'}")
         lines.append(
             f"{name}: {len(run['calls'])} kernel calls (expected {layers * (steps + 1)}), "
             f"worst |out - torch reference| {worst:.3g}, run {run['seconds']:.1f} s "
@@ -503,6 +523,7 @@ def main(argv=None) -> int:
                     "steps": args.steps,
                     "tokens": {k: v["tokens"] for k, v in runs.items()},
                     "calls": {k: v["calls"] for k, v in runs.items()},
+                    "triton": {k: v["triton"] for k, v in runs.items()},
                     "failures": failures,
                 },
                 indent=1,

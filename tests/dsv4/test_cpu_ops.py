@@ -169,3 +169,28 @@ def test_silu_and_mul_clamp_matches_transformers_mlp():
     want = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
     assert (x[:, :96].float() > 10).any() and (x[:, 96:].float().abs() > 10).any()  # clamped
+
+
+def test_fused_hc_head_matches_transformers_hyper_head():
+    from sglang.kernels.ops.layernorm.mhc_head import fused_hc_head
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
+
+    cfg = DeepseekV4Config(hidden_size=64, hc_mult=4, hc_eps=1e-6, rms_norm_eps=1e-6)
+    head = DeepseekV4HyperHead(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(_randn(*p.shape) * 0.5)
+    x = _randn(5, 4, 64)
+    got = fused_hc_head(x, head.hc_fn, head.hc_scale, head.hc_base, 1e-6, 1e-6)
+    torch.testing.assert_close(got, head(x.unsqueeze(0))[0], atol=1e-5, rtol=1e-5)
+
+
+def test_mhc_combine_is_the_pre_weighted_sum_of_streams():
+    from sglang.kernels.ops.layernorm.mhc import mhc_combine
+
+    x = _randn(6, 4, 64, dtype=torch.bfloat16)
+    pre = _randn(6, 4).abs()
+    got = mhc_combine(x.flatten(1), pre, 4, torch.bfloat16)
+    want = (pre.unsqueeze(-1) * x.float()).sum(1)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)

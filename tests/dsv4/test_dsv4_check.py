@@ -58,6 +58,11 @@ def test_swa_model_through_the_mma_kernel(swa_model, tmp_path):
         assert all(c["rows"] == 1 for c in calls[layers:])
         assert all(not c["failed"] for c in calls)
     assert got["tokens"]["mma"] == got["tokens"]["torch"]
+    # Only our kernel runs in the Triton interpreter; every op that is not ours runs in torch.
+    assert {k.rsplit(".", 1)[0] for k in got["triton"]["mma"]} == {
+        "sglang.kernels.ops.attention.flash_mla_sm120_mma"
+    }
+    assert got["triton"]["torch"] == {}
 
 
 def test_a_model_directory_missing_a_file_is_named(swa_model, tmp_path):
