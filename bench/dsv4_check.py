@@ -253,20 +253,22 @@ class KernelSpy:
         )
 
 
-def worker(args: argparse.Namespace) -> int:
-    """One backend's run; writes tokens, logits and the spied calls to --out."""
+_WORKER_ENV = "DSV4_CHECK_WORKER"  # the worker's arguments, where _rank reads them
+
+
+def _rank(server_args, port_args, bench_args, gpu_id, tp_rank):
+    """Load the model, run the prefill and the decode steps, write tokens, logits and the
+    spied calls (one_batch's correctness_test calling convention; module level, so that a
+    spawned TP rank could run it too)."""
     import torch
     from sglang.benchmark import one_batch as ob
     from sglang.srt.runtime_context import override_platform
-    from sglang.srt.server_args import ServerArgs
 
-    cfg = json.loads((Path(args.model) / "config.json").read_text())
-    ids = json.loads(args.prompt_ids)
-    forced = json.loads(args.forced) if args.forced else None
+    job = json.loads(os.environ[_WORKER_ENV])
+    cfg = json.loads((Path(job["model"]) / "config.json").read_text())
+    ids, forced = job["ids"], job["forced"]
     spy = KernelSpy(window=cfg["window_size"])
-    result: dict = {}
-
-    def run(server_args, port_args, bench_args, gpu_id, tp_rank):
+    with override_platform(is_sm120=True):
         ob.publish(
             server_args,
             role="scheduler",
@@ -282,21 +284,37 @@ def worker(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         next_ids, logits, batch = runner.extend(reqs)
         tokens, all_logits = [int(next_ids[0])], [logits[0].float().clone()]
-        for step in range(args.steps):
+        for step in range(job["steps"]):
             feed = tokens[-1] if forced is None else forced[step]
             next_ids, logits = runner.decode(torch.tensor([feed]), batch)
             tokens.append(int(next_ids[0]))
             all_logits.append(logits[0].float().clone())
-        result.update(
-            tokens=tokens,
-            logits=torch.stack(all_logits),
-            calls=spy.calls,
-            triton=spy.triton,
-            seconds=time.monotonic() - t0,
-            layers=len(cfg["compress_ratios"]),
-        )
         runner.cleanup(batch)
+    if tp_rank == 0:
+        result = {
+            "tokens": tokens,
+            "logits": torch.stack(all_logits),
+            "calls": spy.calls,
+            "triton": spy.triton,
+            "seconds": time.monotonic() - t0,
+        }
+        torch.save(result, job["out"])
 
+
+def worker(args: argparse.Namespace) -> int:
+    """One backend's run, through one_batch's main() (which resolves the server args)."""
+    from sglang.benchmark import one_batch as ob
+    from sglang.srt.server_args import ServerArgs
+
+    os.environ[_WORKER_ENV] = json.dumps(
+        {
+            "model": str(args.model),
+            "ids": json.loads(args.prompt_ids),
+            "forced": json.loads(args.forced) if args.forced else None,
+            "steps": args.steps,
+            "out": args.out,
+        }
+    )
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     ob.BenchArgs.add_cli_args(parser)
@@ -308,10 +326,8 @@ def worker(args: argparse.Namespace) -> int:
             "--batch-size", "1", "--correctness-test", "--log-level", "warning",
         ]
     )  # fmt: skip
-    ob.correctness_test = run  # main() resolves the server args, then calls this
-    with override_platform(is_sm120=True):
-        ob.main(ServerArgs.from_cli_args(cli), ob.BenchArgs.from_cli_args(cli))
-    torch.save(result, args.out)
+    ob.correctness_test = _rank  # main() resolves the server args, then calls this
+    ob.main(ServerArgs.from_cli_args(cli), ob.BenchArgs.from_cli_args(cli))
     return 0
 
 
