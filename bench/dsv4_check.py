@@ -61,7 +61,6 @@ MMA_TORCH_MAX_REL = 0.1
 # sglang vs transformers with FP8-quantized KV: bf16 weights and activations in sglang against
 # float32 in transformers, over every layer.
 HF_MIN_COS = 0.999
-HF_MIN_TOP1 = 1.0
 
 
 class BadInput(Exception):
@@ -403,10 +402,16 @@ def compare(a, b) -> dict:
     }
 
 
+def _margin(logits) -> float:
+    top = logits.float().topk(2).values
+    return (top[0] - top[1]).item()
+
+
 def report(runs: dict, hf: dict, steps: int, layers: int) -> tuple[list[str], list[str]]:
     """(table lines, failures)."""
     mma, torch_run = runs["mma"], runs["torch"]
     failures: list[str] = []
+    ties: list[str] = []
     lines = [
         "step  tok mma  tok torch  tok hf | mma-torch max_abs  /std    cos      | "
         "mma-hf(fp8 kv) max_abs  cos     top1 | mma-hf(fp32 kv) cos"
@@ -422,9 +427,24 @@ def report(runs: dict, hf: dict, steps: int, layers: int) -> tuple[list[str], li
             f"{mt['max_abs']:>17.4g}  {rel:.4f}  {mt['cos']:.6f} | {mh['max_abs']:>22.4g}  "
             f"{mh['cos']:.5f}  {'yes' if mh['top1'] else 'NO':>4} | {mh32['cos']:.5f}"
         )
-        if mma["tokens"][i] != torch_run["tokens"][i]:
-            failures.append(f"step {i}: greedy token mma {mma['tokens'][i]} != torch "
-                            f"{torch_run['tokens'][i]}")  # fmt: skip
+        # A different greedy token is a failure only where the reference's choice is clear:
+        # its top-1 leads its top-2 by more than twice the step's max abs diff. Below that the
+        # two are tied within the noise the other checks bound, and either pick is right.
+        for other, tok, noise in (
+            ("torch", torch_run["tokens"][i], mt["max_abs"]),
+            ("transformers (fp8 kv)", hf_tok, mh["max_abs"]),
+        ):
+            ref = torch_run["logits"][i] if other == "torch" else hf["fp8"][i]
+            margin = _margin(ref)
+            if mma["tokens"][i] == tok:
+                continue
+            if margin > 2 * noise:
+                failures.append(f"step {i}: greedy token mma {mma['tokens'][i]} != {other} "
+                                f"{tok}, whose lead is {margin:.4g} (> 2 x {noise:.4g})"
+                                )  # fmt: skip
+            else:
+                ties.append(f"step {i}: mma picks {mma['tokens'][i]}, {other} {tok}: a tie "
+                            f"(lead {margin:.4g} <= 2 x max abs diff {noise:.4g})")  # fmt: skip
         if mt["cos"] < MMA_TORCH_MIN_COS or rel > MMA_TORCH_MAX_REL:
             failures.append(f"step {i}: mma vs torch logits cos {mt['cos']:.6f}, max abs "
                             f"{rel:.4f} of their std (limits {MMA_TORCH_MIN_COS}, "
@@ -432,9 +452,6 @@ def report(runs: dict, hf: dict, steps: int, layers: int) -> tuple[list[str], li
         if mh["cos"] < HF_MIN_COS:
             failures.append(f"step {i}: mma vs transformers (fp8 kv) cos {mh['cos']:.5f} < "
                             f"{HF_MIN_COS}")  # fmt: skip
-    top1 = sum(compare(mma["logits"][i], hf["fp8"][i])["top1"] for i in range(steps + 1))
-    if top1 / (steps + 1) < HF_MIN_TOP1:
-        failures.append(f"top-1 agreement with transformers (fp8 kv) {top1}/{steps + 1}")
     for name, run in runs.items():
         want = layers * (steps + 1)
         if len(run["calls"]) != want:
@@ -454,6 +471,7 @@ def report(runs: dict, hf: dict, steps: int, layers: int) -> tuple[list[str], li
             f"worst |out - torch reference| {worst:.3g}, run {run['seconds']:.1f} s "
             f"({run['wall']:.1f} s with load)"
         )
+    lines += [f"near-tie, not counted: {t}" for t in ties]
     return lines, failures
 
 
@@ -536,6 +554,7 @@ def main(argv=None) -> int:
                 {
                     "model": str(model),
                     "prompt_len": len(ids),
+                    "prompt_ids": ids,
                     "steps": args.steps,
                     "tokens": {k: v["tokens"] for k, v in runs.items()},
                     "calls": {k: v["calls"] for k, v in runs.items()},

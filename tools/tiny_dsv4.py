@@ -41,7 +41,11 @@ class Shape:
     heads: int = 8
     hidden: int = 256
     experts: int = 4
-    experts_per_token: int = 2
+    # Every expert on for every token: routing then has no discrete choice, so comparing sglang
+    # (bf16) with transformers (float32) measures attention and the FP8 KV, not which side of a
+    # near-tie the router lands on (a 0.005 score margin between the 2nd and 3rd expert flipped
+    # one step's output, cosine 0.94, with 2 of 4).
+    experts_per_token: int = 4
     hash_layers: int = 1
     seed: int = 1
 
@@ -220,6 +224,30 @@ def _fill(model, seed: int) -> None:
                 normal(t, 0.1)
 
 
+# DeepSeek-V4's special tokens, spelled as deepseek-recipe's SpecialTokens spells them by default.
+# sglang serves DSV4 chat through deepseek-recipe, which refuses a tokenizer without them.
+DEEPSEEK_BOS, DEEPSEEK_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+DEEPSEEK_SPECIALS = [
+    "<｜System｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
+    "<｜latest_reminder｜>", "｜DSML｜", "<｜image｜>", "<｜ref｜>",
+    "<｜/ref｜>", "<｜box｜>", "<｜/box｜>", "<｜point｜>",
+    "<｜/point｜>", "<｜polygon｜>", "<｜/polygon｜>",
+]  # fmt: skip
+
+
+def with_deepseek_specials(tokenizer):
+    """`tokenizer` (a transformers fast tokenizer) with DeepSeek's BOS/EOS and special tokens
+    added; BOS and EOS become DeepSeek's."""
+    tokenizer.add_special_tokens(
+        {
+            "bos_token": DEEPSEEK_BOS,
+            "eos_token": DEEPSEEK_EOS,
+            "additional_special_tokens": DEEPSEEK_SPECIALS,
+        }
+    )
+    return tokenizer
+
+
 def make(out: Path, shape: Shape, tokenizer) -> list[str]:
     """Write the model and `tokenizer` (a transformers tokenizer) to `out`; returns the
     checkpoint's tensor names."""
@@ -231,6 +259,7 @@ def make(out: Path, shape: Shape, tokenizer) -> list[str]:
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     shape.check()
+    tokenizer = with_deepseek_specials(tokenizer)
     cfg = config(shape, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
     torch.manual_seed(shape.seed)
     model = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg))

@@ -194,3 +194,23 @@ def test_mhc_combine_is_the_pre_weighted_sum_of_streams():
     got = mhc_combine(x.flatten(1), pre, 4, torch.bfloat16)
     want = (pre.unsqueeze(-1) * x.float()).sum(1)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("yes", "SGLANG_CPU_SM120_PATH='yes': expected 1"),
+        ("1", "SGLANG_CPU_SM120_PATH=1 is for a CPU engine"),  # this pytest process is not one
+    ],
+)
+def test_cpu_sm120_path_refuses_a_bad_value_or_a_non_cpu_engine(monkeypatch, value, message):
+    from sglang.srt.runtime_context import get_platform
+    from sglang.srt.utils import cpu_sm120
+
+    monkeypatch.setenv("SGLANG_CPU_SM120_PATH", value)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    with pytest.raises(ValueError, match=message):
+        cpu_sm120.select_cpu_sm120_path()
+    monkeypatch.setenv("SGLANG_CPU_SM120_PATH", "0")
+    assert cpu_sm120.select_cpu_sm120_path() is False
+    assert "is_sm120" not in object.__getattribute__(get_platform(), "_overrides")
