@@ -14,3 +14,10 @@ def nixl_kv_mem_kinds(kinds: list[str], device: str) -> list[str]:
     if device == "cpu":
         return ["DRAM"] * len(kinds)
     return kinds
+
+
+def nixl_state_mem_kind(device: str) -> str:
+    """The NIXL memory kind of the state buffers a model's KV manager registers beside its KV
+    pool (DeepSeek-V4's SWA and compressor states among them), and of their transfers:
+    DRAM on a CPU engine, else VRAM as upstream has it (patch 0017)."""
+    return "DRAM" if device == "cpu" else "VRAM"

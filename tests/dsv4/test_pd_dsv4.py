@@ -1,0 +1,104 @@
+"""env/cpu-dsv4: a tiny DeepSeek-V4 in PD on real CPU engines, over NIXL, behind the real smg.
+
+The stack comes up with launch/pd from a copy of env/cpu-dsv4 (free loopback ports, its own run
+directory). Greedy tokens through the router, for a prompt longer than the 128-token window,
+must equal bench/dsv4_check's in-process tokens for the same prompt: every SWA row and the
+DSV4 request state that decode reads arrived over NIXL (patches 0007 and 0017). Decode's log
+must show the mma kernel's decode launches with the env file's split target.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench import dsv4_check  # noqa: E402
+from launch.pdlib import envfiles  # noqa: E402
+from launch.pdlib.stack import free_loopback_ports  # noqa: E402
+from tools import make_tiny_model, tiny_dsv4  # noqa: E402
+
+PD = ROOT / "launch" / "pd"
+STEPS = 6
+
+
+def pd(env_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(PD), *args, "--env-dir", str(env_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    made = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "dsv4", "--standard", "swa"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    return make_tiny_model.cache_dir() / tiny_dsv4.STANDARD["swa"].name
+
+
+@pytest.fixture(scope="module")
+def dsv4_stack(model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cpu-dsv4")
+    env_dir = tmp / "env"
+    shutil.copytree(ROOT / "env" / "cpu-dsv4", env_dir)
+    prefill, boot, decode, router, prom = free_loopback_ports(5)
+    envfiles.set_values(
+        env_dir / "common.env",
+        {
+            "MODEL_PATH": str(model),
+            "PREFILL_PORT": str(prefill),
+            "PREFILL_BOOTSTRAP_PORT": str(boot),
+            "DECODE_PORT": str(decode),
+            "ROUTER_PORT": str(router),
+            "ROUTER_PROMETHEUS_PORT": str(prom),
+            "PD_RUN_DIR": str(tmp / "run"),
+        },
+    )
+    up = pd(env_dir, "up")
+    if up.returncode != 0:
+        logs = "\n".join(
+            pd(env_dir, "logs", role, "-n", "40", timeout=30).stdout
+            for role in ("prefill", "decode", "router")
+        )
+        pd(env_dir, "down", timeout=120)
+        pytest.fail(f"launch/pd up failed:\n{up.stdout[-3000:]}{up.stderr[-2000:]}\n{logs}")
+    yield env_dir, tmp / "run", router
+    down = pd(env_dir, "down", timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
+def test_greedy_through_pd_equals_the_in_process_check(model, dsv4_stack, tmp_path):
+    env_dir, run_dir, router = dsv4_stack
+    cfg = json.loads((model / "config.json").read_text())
+    ids = dsv4_check.prompt_ids(cfg, 160, 1)
+    assert len(ids) > cfg["window_size"]
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": STEPS + 1}}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{router}/generate",
+        json.dumps(body).encode(),
+        {"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        through_pd = json.loads(resp.read())["output_ids"]
+    check = dsv4_check.run_backend("mma", model, ids, STEPS, None, tmp_path / "mma.pt", 600)
+    assert through_pd == check["tokens"], (through_pd, check["tokens"])
+    decode_log = (run_dir / "decode.log").read_text()
+    assert "SGLANG_CPU_SM120_PATH=1: this CPU scheduler takes the SM120 DSV4" in decode_log
+    # env/cpu-dsv4's SGLANG_SM120_MMA_TARGET_CTAS=512 on decode, seen by the mma launcher.
+    assert "SGLANG_SM120_MMA_TARGET_CTAS=512 (set): batch 1," in decode_log
+    verify = pd(env_dir, "verify", timeout=180)
+    assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-2000:]
