@@ -9,5 +9,20 @@ bench/dsv4_check and the engine test set it in their own processes as well.
 """
 
 import os
+import sys
+from pathlib import Path
+
+import pytest
 
 os.environ["TRITON_INTERPRET"] = "1"
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def swa_model() -> Path:
+    """The SWA-only standard tiny DSV4, made or reused the way bench/dsv4_check does it."""
+    sys.path.insert(0, str(ROOT))
+    from bench import dsv4_check
+
+    return dsv4_check.standard_model("swa")

@@ -34,20 +34,6 @@ def _run(*args, timeout=900) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def swa_model() -> Path:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "dsv4", "--standard", "swa"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr
-    from tools import make_tiny_model, tiny_dsv4
-
-    return make_tiny_model.cache_dir() / tiny_dsv4.STANDARD["swa"].name
-
-
-@pytest.fixture(scope="module")
 def checked(swa_model, tmp_path_factory) -> dict:
     """bench/dsv4_check on the SWA model, once for the module: its JSON and stdout."""
     out = tmp_path_factory.mktemp("check") / "check.json"

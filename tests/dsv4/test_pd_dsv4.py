@@ -22,7 +22,6 @@ sys.path.insert(0, str(ROOT))
 from bench import dsv4_check  # noqa: E402
 from launch.pdlib import envfiles  # noqa: E402
 from launch.pdlib.stack import free_loopback_ports  # noqa: E402
-from tools import make_tiny_model, tiny_dsv4  # noqa: E402
 
 PD = ROOT / "launch" / "pd"
 STEPS = 6
@@ -39,19 +38,7 @@ def pd(env_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedP
 
 
 @pytest.fixture(scope="module")
-def model() -> Path:
-    made = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "dsv4", "--standard", "swa"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert made.returncode == 0, made.stderr[-3000:]
-    return make_tiny_model.cache_dir() / tiny_dsv4.STANDARD["swa"].name
-
-
-@pytest.fixture(scope="module")
-def dsv4_stack(model, tmp_path_factory):
+def dsv4_stack(swa_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cpu-dsv4")
     env_dir = tmp / "env"
     shutil.copytree(ROOT / "env" / "cpu-dsv4", env_dir)
@@ -59,7 +46,7 @@ def dsv4_stack(model, tmp_path_factory):
     envfiles.set_values(
         env_dir / "common.env",
         {
-            "MODEL_PATH": str(model),
+            "MODEL_PATH": str(swa_model),
             "PREFILL_PORT": str(prefill),
             "PREFILL_BOOTSTRAP_PORT": str(boot),
             "DECODE_PORT": str(decode),
@@ -81,9 +68,9 @@ def dsv4_stack(model, tmp_path_factory):
     assert down.returncode == 0, down.stdout + down.stderr
 
 
-def test_greedy_through_pd_equals_the_in_process_check(model, dsv4_stack, tmp_path):
+def test_greedy_through_pd_equals_the_in_process_check(swa_model, dsv4_stack, tmp_path):
     env_dir, run_dir, router = dsv4_stack
-    cfg = json.loads((model / "config.json").read_text())
+    cfg = json.loads((swa_model / "config.json").read_text())
     ids = dsv4_check.prompt_ids(cfg, 160, 1)
     assert len(ids) > cfg["window_size"]
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": STEPS + 1}}
@@ -94,7 +81,7 @@ def test_greedy_through_pd_equals_the_in_process_check(model, dsv4_stack, tmp_pa
     )
     with urllib.request.urlopen(request, timeout=300) as resp:
         through_pd = json.loads(resp.read())["output_ids"]
-    check = dsv4_check.run_backend("mma", model, ids, STEPS, None, tmp_path / "mma.pt", 600)
+    check = dsv4_check.run_backend("mma", swa_model, ids, STEPS, None, tmp_path / "mma.pt", 600)
     assert through_pd == check["tokens"], (through_pd, check["tokens"])
     decode_log = (run_dir / "decode.log").read_text()
     assert "SGLANG_CPU_SM120_PATH=1: this CPU scheduler takes the SM120 DSV4" in decode_log
