@@ -14,9 +14,13 @@ It checks:
 1. every kernel call (spied on, and counted: one per layer per forward): `k_cache` is a view of
    the pool's own buffer for that layer, the index lists, lengths and sink are the ones the
    backend built, each row's SWA length is min(position + 1, window), and the output matches
-   upstream's torch reference (`_sm120_sparse_decode_fwd`) on the same arguments;
+   upstream's torch reference (`_sm120_sparse_decode_fwd`) on the same arguments; on c4/c128
+   layers also the compressed index lists and lengths (every entry so far, the c4 indexer's
+   top-k of them, none before the first window closes);
 2. the whole model, per step: max abs diff, cosine and top-1 of the logits, mma against torch
-   (greedy tokens must be identical) and against transformers.
+   (greedy tokens must be identical) and against transformers;
+3. on c4/c128 layers, every compressed entry of the fed tokens (main KV and the indexer's keys),
+   read back from sglang's pools, against transformers' compressors, entry by entry.
 
 Prints a per-step table and a verdict; exits 0 when every check holds, 1 when one does not, 2 on
 bad input (a model directory missing a file, a config that is not DSV4, a compress ratio sglang
@@ -37,8 +41,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("mma", "torch")
 SUPPORTED_RATIOS = {0, 4, 128}
-# What this check runs on CPU today; the c4/c128 compressor has no CPU path yet.
-CPU_RATIOS = {0}
 # The switches that keep sglang's DSV4 path on ops with a CPU implementation (torch or the
 # Triton interpreter) instead of TileLang/DeepGEMM/JIT CUDA ones.
 CPU_ENV = {
@@ -58,6 +60,9 @@ CPU_ENV = {
 # them, carried through the layers after it. Max abs is taken relative to the logits' std.
 MMA_TORCH_MIN_COS = 0.9995
 MMA_TORCH_MAX_REL = 0.1
+# Compressed entries (normed, rotated, FP8 in sglang's pools) against transformers' compressors
+# in float32: e4m3 keeps 3 mantissa bits, and the values come from bf16 projections.
+ENTRY_MIN_COS = 0.995
 # sglang vs transformers with FP8-quantized KV: bf16 weights and activations in sglang against
 # float32 in transformers, over every layer.
 HF_MIN_COS = 0.999
@@ -99,11 +104,6 @@ def check_model_dir(model: Path) -> dict:
             f"{model}/config.json: compress ratio(s) {bad} are not ones sglang's DSV4 supports "
             f"({sorted(SUPPORTED_RATIOS)})"
         )
-    if set(ratios) - CPU_RATIOS:
-        raise BadInput(
-            f"{model}: compressed layers (ratios {sorted(set(ratios) - CPU_RATIOS)}) need the "
-            "c4/c128 compressor, which has no CPU path yet; use --standard swa"
-        )
     return cfg
 
 
@@ -136,8 +136,8 @@ def prompt_ids(cfg: dict, length: int, seed: int) -> list[int]:
 class KernelSpy:
     """Wraps flash_mla_with_kvcache_sm120 and the backend's _forward_attention."""
 
-    def __init__(self, window: int):
-        self.window = window
+    def __init__(self, window: int, index_topk: int):
+        self.window, self.index_topk = window, index_topk
         self.calls: list[dict] = []
         self._ctx: list[tuple] = []
 
@@ -170,6 +170,79 @@ class KernelSpy:
         DeepseekV4AttnBackend._forward_attention = _forward_attention
         fm.flash_mla_with_kvcache_sm120 = flash_mla_with_kvcache_sm120
         self._count_interpreted_kernels()
+        self._record_compressed_entries()
+
+    def _record_compressed_entries(self) -> None:
+        """Note where each compressing layer stores each compressed entry (main KV and the
+        indexer's keys), so that `entries` can read them back from the pools."""
+        import sglang.srt.layers.attention.dsv4.compressor_v2 as cv2
+
+        self.stores: list[dict] = []
+        forward_unified, store = (
+            cv2.CompressorBackendMixin.forward_unified,
+            cv2.compress_norm_rope_store,
+        )
+        spy, current = self, []
+
+        def spied_forward(backend, x, forward_batch, layer_id, compressor):
+            current.append((layer_id, compressor.is_in_indexer))
+            try:
+                return forward_unified(backend, x, forward_batch, layer_id, compressor)
+            finally:
+                current.pop()
+
+        def spied_store(kv, plan, **kw):
+            from sglang.kernels.ops.attention.dsv4 import cpu_compress
+
+            store(kv, plan, **kw)
+            _, positions, loc = cpu_compress._entries(plan, plan.compress_ratio, kw["out_loc"])
+            layer, is_index = current[-1]
+            spy.stores.append({
+                "layer": layer, "index": is_index, "ratio": plan.compress_ratio,
+                "entry": (positions // plan.compress_ratio).tolist(), "loc": loc,
+                "cache": kw["kvcache"], "page_size": kw["page_size"],
+            })  # fmt: skip
+
+        cv2.CompressorBackendMixin.forward_unified = spied_forward
+        cv2.CompressorBackendMixin.forward_indexer_compressor = spied_forward
+        cv2.CompressorBackendMixin.forward_core_compressor = spied_forward
+        cv2.compress_norm_rope_store = spied_store
+
+    def entries(self) -> dict:
+        """{"LAYER:kv"|"LAYER:index": {"ratio", "entry": [n...], "value": [N, dim] fp32}}, read
+        back from the pools as they are now: the main KV through upstream's V4 dequantizer, the
+        indexer's keys as FP8 times their scale, Hadamard-rotated back."""
+        import torch
+        from sglang.kernels.ops.attention.dsv4 import cpu_compress
+        from sglang.test.kernels.deepseek_v4.k_cache_reference import (
+            dequantize_k_cache_paged_ref,
+        )
+
+        out: dict = {}
+        for st in self.stores:
+            if len(st["loc"]) == 0:  # a decode step that closed no window
+                continue
+            key = f"{st['layer']}:{'index' if st['index'] else 'kv'}"
+            if st["index"]:
+                page = st["page_size"]
+                pages = (
+                    st["cache"].view(torch.uint8).reshape(-1, page * cpu_compress.INDEX_ROW_BYTES)
+                )
+                p, slot = st["loc"] // page, st["loc"] % page
+                at = slot[:, None] * 128 + torch.arange(128)
+                fp8 = pages[p[:, None], at].view(torch.float8_e4m3fn).float()
+                at = page * 128 + slot[:, None] * 4 + torch.arange(4)
+                scale = pages[p[:, None], at].contiguous().view(torch.float32)
+                value = cpu_compress.hadamard(fp8 * scale)
+            else:
+                value = dequantize_k_cache_paged_ref(st["cache"], st["loc"], st["page_size"])
+                value = value.reshape(len(st["loc"]), -1).float()
+            got = out.setdefault(key, {"ratio": st["ratio"], "entry": [], "value": []})
+            got["entry"] += st["entry"]
+            got["value"].append(value)
+        for got in out.values():
+            got["value"] = torch.cat(got["value"])
+        return out
 
     def _count_interpreted_kernels(self) -> None:
         """Name every Triton kernel that runs (they all run in the interpreter here)."""
@@ -210,13 +283,42 @@ class KernelSpy:
         sink = fa_args["attn_sink"]
         given = kw["attn_sink"]
         checks["sink is the layer's"] = torch.equal(given, sink[: given.shape[0]])
-        if ratio != 0:
-            checks["extra cache is the pool's"] = same_storage(
-                kw["extra_k_cache"], pool.get_extra_key_buffer(layer_id)
-            )
         positions = backend.forward_metadata.core_attn_metadata.positions[:rows].long()
         want = torch.clamp(positions + 1, max=self.window)
         checks["SWA length = min(pos + 1, window)"] = torch.equal(lengths.reshape(-1).long(), want)
+        if ratio != 0:
+            extra = kw["extra_indices_in_kvcache"]
+            extra_len = kw["extra_topk_length"].reshape(-1).long()
+            checks["extra cache is the pool's"] = same_storage(
+                kw["extra_k_cache"], pool.get_extra_key_buffer(layer_id)
+            )
+            checks["extra indices are the backend's"] = rows_equal(
+                extra, md.sparse_page_indices(ratio)
+            )
+            checks["extra lengths are the backend's"] = rows_equal(
+                extra_len, md.sparse_topk_lengths(ratio)
+            )
+            # Every compressed entry so far (c4: the indexer's top-k of them). A row with none
+            # gets length 1 and index -1, which the kernel skips: nothing from the future.
+            n_entries = (positions + 1) // ratio
+            if ratio == 4:
+                n_entries = n_entries.clamp(max=self.index_topk)
+            checks[f"c{ratio} length = entries so far"] = torch.equal(
+                extra_len, n_entries.clamp(min=1)
+            )
+            listed = extra.reshape(rows, -1)
+            none_yet = n_entries == 0
+            checks[f"c{ratio}: no entry before the first window closes"] = bool(
+                (listed[none_yet, 0] == -1).all()
+            )
+            live = torch.arange(listed.shape[-1])[None, :] < n_entries[:, None]
+            checks[f"c{ratio} indices: distinct, in the pool"] = bool(
+                (listed[live] >= 0).all()
+                and all(
+                    len(set(r[m].tolist())) == int(m.sum())
+                    for r, m in zip(listed, live, strict=True)
+                )
+            )
         ref_out, ref_lse = fm._sm120_sparse_decode_fwd(
             kw["q"],
             kw["k_cache"],
@@ -266,7 +368,7 @@ def _rank(server_args, port_args, bench_args, gpu_id, tp_rank):
     job = json.loads(os.environ[_WORKER_ENV])
     cfg = json.loads((Path(job["model"]) / "config.json").read_text())
     ids, forced = job["ids"], job["forced"]
-    spy = KernelSpy(window=cfg["window_size"])
+    spy = KernelSpy(window=cfg["window_size"], index_topk=cfg["index_topk"])
     with override_platform(is_sm120=True):
         ob.publish(
             server_args,
@@ -288,12 +390,14 @@ def _rank(server_args, port_args, bench_args, gpu_id, tp_rank):
             next_ids, logits = runner.decode(torch.tensor([feed]), batch)
             tokens.append(int(next_ids[0]))
             all_logits.append(logits[0].float().clone())
+        entries = spy.entries()
         runner.cleanup(batch)
     if tp_rank == 0:
         result = {
             "tokens": tokens,
             "logits": torch.stack(all_logits),
             "calls": spy.calls,
+            "entries": entries,
             "triton": spy.triton,
             "seconds": time.monotonic() - t0,
         }
@@ -320,7 +424,8 @@ def worker(args: argparse.Namespace) -> int:
     cli = parser.parse_args(
         [
             "--model-path", str(args.model), "--device", "cpu", "--disable-cuda-graph",
-            "--sampling-backend", "pytorch", "--max-total-tokens", "8192",
+            "--sampling-backend", "pytorch", "--dsa-topk-backend", "torch",
+            "--max-total-tokens", "8192",
             "--swa-full-tokens-ratio", "0.5", "--max-running-requests", "4",
             "--batch-size", "1", "--correctness-test", "--log-level", "warning",
         ]
@@ -353,10 +458,13 @@ def run_backend(backend: str, model: Path, ids, steps, forced, out: Path, timeou
 # --- transformers' DSV4 --------------------------------------------------------------------
 
 
-def transformers_logits(model: Path, tokens: list[int], positions: range, fp8_kv: bool):
+def transformers_logits(
+    model: Path, tokens: list[int], positions: range, fp8_kv: bool, entries: dict | None = None
+):
     """Logits at `positions` of transformers' DSV4 on `tokens`, float32; with fp8_kv the
     attention's KV nope part is quantized to FP8 e4m3 with UE8M0 tile scales, as sglang's pool
-    stores it (the rope part stays bf16-exact in float32 here)."""
+    stores it (the rope part stays bf16-exact in float32 here). With `entries` (a dict), each
+    compressing layer's compressed entries land there, keyed as KernelSpy.entries keys them."""
     import torch
     from transformers import DeepseekV4ForCausalLM
 
@@ -367,11 +475,58 @@ def transformers_logits(model: Path, tokens: list[int], positions: range, fp8_kv
         for layer in hf.model.layers:
             attn = layer.self_attn
             hooks.append(attn.kv_norm.register_forward_hook(lambda m, i, o: quant(o)))
+    if entries is not None:
+        for i, layer in enumerate(hf.model.layers):
+            comp = getattr(layer.self_attn, "compressor", None)
+            if comp is None:
+                continue
+
+            def main_kv(m, args, out, key=f"{i}:kv"):
+                entries[key] = out[0][0, 0].detach().float()  # [B, 1, T, 512] -> [T, 512]
+
+            hooks.append(comp.register_forward_hook(main_kv))
+            if getattr(comp, "indexer", None) is not None:
+
+                def index_k(m, args, key=f"{i}:index"):
+                    entries[key] = args[1][0].detach().float()  # scorer(q, [B, T, 128], h)
+
+                hooks.append(comp.indexer.scorer.register_forward_pre_hook(index_k))
     with torch.no_grad():
         out = hf(input_ids=torch.tensor([tokens])).logits[0]
     for h in hooks:
         h.remove()
     return out[list(positions)].float()
+
+
+def compare_entries(sg: dict, hf: dict, n_tokens: int) -> tuple[list[str], list[str]]:
+    """sglang's compressed entries (read back from its pools) against transformers', entry by
+    entry: (lines, failures). Every entry of the fed tokens must be there, once."""
+    import torch
+
+    lines, failures = [], []
+    for key in sorted(hf, key=lambda k: (int(k.split(":")[0]), k)):
+        ref = hf[key]
+        got = sg.get(key)
+        if got is None:
+            failures.append(f"layer {key}: sglang stored no compressed entry")
+            continue
+        ratio = got["ratio"]
+        want = list(range(n_tokens // ratio))
+        if sorted(got["entry"]) != want:
+            failures.append(f"layer {key} (c{ratio}): entries stored {sorted(got['entry'])}, "
+                            f"expected 0..{len(want) - 1}")  # fmt: skip
+            continue
+        value = got["value"][torch.tensor(got["entry"]).argsort()]
+        cos = torch.nn.functional.cosine_similarity(value, ref[: len(want)], dim=-1)
+        rel = ((value - ref[: len(want)]).abs().amax(-1) / ref[: len(want)].abs().amax(-1)).max()
+        lines.append(f"layer {key:<8} c{ratio:<3} {len(want):>3} entries: worst cos "
+                     f"{cos.min().item():.5f} (entry {int(cos.argmin())}), max |diff| / max "
+                     f"{rel.item():.4f}")  # fmt: skip
+        worst = cos.min().item()
+        if worst < ENTRY_MIN_COS:
+            failures.append(f"layer {key} (c{ratio}): entry {int(cos.argmin())} cos "
+                            f"{worst:.5f} < {ENTRY_MIN_COS} against transformers'")  # fmt: skip
+    return lines, failures
 
 
 def _fp8_round_trip(kv):
@@ -493,8 +648,8 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument(
         "--prompt-len",
         type=int,
-        default=160,
-        help="prompt tokens, seeded; longer than the 128-token window (default: 160)",
+        help="prompt tokens, seeded (default: 160, longer than the 128-token window; 252 for a "
+        "model with a c128 layer, so that the decode steps close a c128 window at 256)",
     )
     p.add_argument("--steps", type=int, default=6, help="decode steps (default: 6)")
     p.add_argument("--seed", type=int, default=1, help="prompt seed (default: 1)")
@@ -507,7 +662,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--forced", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)  # fmt: skip
-    if args.prompt_len < 2 or args.steps < 1:
+    if (args.prompt_len is not None and args.prompt_len < 2) or args.steps < 1:
         p.error("--prompt-len must be >= 2 and --steps >= 1")
     return args
 
@@ -521,6 +676,8 @@ def main(argv=None) -> int:
         cfg = check_model_dir(model)
     except BadInput as err:
         return _fail(str(err))
+    if args.prompt_len is None:
+        args.prompt_len = 252 if 128 in cfg["compress_ratios"] else 160
     ids = prompt_ids(cfg, args.prompt_len, args.seed)
     layers = len(cfg["compress_ratios"])
     print(f"dsv4_check: {model.name}: layers {cfg['compress_ratios']}, "
@@ -542,11 +699,19 @@ def main(argv=None) -> int:
     print("dsv4_check: transformers' DSV4 (float32) ...", flush=True)
     tokens = ids + runs["mma"]["tokens"][: args.steps]
     at = range(len(ids) - 1, len(ids) + args.steps)
+    hf_entries: dict = {}
     hf = {
         "fp8": transformers_logits(model, tokens, at, fp8_kv=True),
-        "fp32": transformers_logits(model, tokens, at, fp8_kv=False),
+        "fp32": transformers_logits(model, tokens, at, fp8_kv=False, entries=hf_entries),
     }
     lines, failures = report(runs, hf, args.steps, layers)
+    if hf_entries:
+        lines.append("compressed entries, mma run vs transformers' compressors:")
+        for backend in BACKENDS:
+            more, bad = compare_entries(runs[backend]["entries"], hf_entries, len(tokens))
+            if backend == "mma":
+                lines += ["  " + line for line in more]
+            failures += [f"{backend}: {b}" for b in bad]
     print("\n".join(lines))
     if args.json:
         args.json.write_text(

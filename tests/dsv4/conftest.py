@@ -26,3 +26,12 @@ def swa_model() -> Path:
     from bench import dsv4_check
 
     return dsv4_check.standard_model("swa")
+
+
+@pytest.fixture(scope="module")
+def c4c128_model() -> Path:
+    """The standard tiny DSV4 with a c4 (indexer) and a c128 layer."""
+    sys.path.insert(0, str(ROOT))
+    from bench import dsv4_check
+
+    return dsv4_check.standard_model("c4c128")

@@ -33,26 +33,38 @@ def _run(*args, timeout=900) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def checked(swa_model, tmp_path_factory) -> dict:
-    """bench/dsv4_check on the SWA model, once for the module: its JSON and stdout."""
-    out = tmp_path_factory.mktemp("check") / "check.json"
-    proc = _run("--model", str(swa_model), "--steps", str(STEPS), "--json", str(out))
+def _check(model: Path, out: Path, *args: str) -> dict:
+    """bench/dsv4_check on one model: its JSON and stdout."""
+    proc = _run("--model", str(model), "--json", str(out), *args)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return {**json.loads(out.read_text()), "stdout": proc.stdout}
 
 
-def test_swa_model_through_the_mma_kernel(swa_model, checked):
-    steps, got = STEPS, checked
+@pytest.fixture(scope="module")
+def checked(swa_model, tmp_path_factory) -> dict:
+    """The SWA model, prompt longer than the window, once for the module."""
+    out = tmp_path_factory.mktemp("check") / "check.json"
+    return _check(swa_model, out, "--steps", str(STEPS))
+
+
+# The c4c128 model: the prompt leaves the sequence 4 tokens short of 256, so the decode steps
+# close a c128 window (the compressor's decode path) and several c4 ones, and the c4 layer has
+# 63 entries before decode.
+C_PROMPT, C_STEPS = 252, 5
+
+
+def _through_the_kernel(model: Path, got: dict, steps: int) -> None:
     assert "dsv4_check: PASS" in got["stdout"]
     assert got["failures"] == [] and got["prompt_len"] > 128  # longer than the window
-    layers = len(json.loads((swa_model / "config.json").read_text())["compress_ratios"])
+    ratios = json.loads((model / "config.json").read_text())["compress_ratios"]
+    layers = len(ratios)
     for backend in ("mma", "torch"):
         calls = got["calls"][backend]
         # Every layer's attention went through the kernel in the prefill and each decode step.
         assert len(calls) == layers * (steps + 1), (backend, len(calls))
         assert sorted({c["layer"] for c in calls}) == list(range(layers))
+        assert [c["ratio"] for c in calls[:layers]] == ratios
         assert [c["rows"] for c in calls[:layers]] == [got["prompt_len"]] * layers
         assert all(c["rows"] == 1 for c in calls[layers:])
         assert all(not c["failed"] for c in calls)
@@ -61,11 +73,34 @@ def test_swa_model_through_the_mma_kernel(swa_model, checked):
     pairs = zip(got["tokens"]["mma"], got["tokens"]["torch"], strict=True)
     same = sum(a == b for a, b in pairs)
     assert same >= steps + 1 - ties, got["stdout"]
-    # Only our kernel runs in the Triton interpreter; every op that is not ours runs in torch.
-    assert {k.rsplit(".", 1)[0] for k in got["triton"]["mma"]} == {
+    # Only our kernel runs in the Triton interpreter; every op that is not ours runs in torch,
+    # except upstream's compressed-metadata kernel, which has no torch twin.
+    metadata = "sglang.kernels.ops.attention.dsv4.metadata_kernel"
+    compressed = any(ratios)
+    ours = {"sglang.kernels.ops.attention.flash_mla_sm120_mma"} | (
+        {metadata} if compressed else set()
+    )
+    assert {k.rsplit(".", 1)[0] for k in got["triton"]["mma"]} == ours
+    assert {k.rsplit(".", 1)[0] for k in got["triton"]["torch"]} == ours - {
         "sglang.kernels.ops.attention.flash_mla_sm120_mma"
     }
-    assert got["triton"]["torch"] == {}
+
+
+def test_swa_model_through_the_mma_kernel(swa_model, checked):
+    _through_the_kernel(swa_model, checked, STEPS)
+
+
+def test_c4c128_model_through_the_mma_kernel(c4c128_model, tmp_path):
+    got = _check(
+        c4c128_model, tmp_path / "c.json", "--prompt-len", str(C_PROMPT), "--steps", str(C_STEPS)
+    )
+    _through_the_kernel(c4c128_model, got, C_STEPS)
+    # Every compressed entry of the fed tokens, in each pool, matched transformers' compressors
+    # (the check fails otherwise); the table names them.
+    fed = C_PROMPT + C_STEPS
+    for key, ratio in (("1:index", 4), ("1:kv", 4), ("2:kv", 128)):
+        assert f"layer {key:<8} c{ratio:<3} {fed // ratio:>3} entries" in got["stdout"]
+    assert fed // 128 * 128 > C_PROMPT  # a c128 window closed in decode
 
 
 def test_a_model_directory_missing_a_file_is_named(swa_model, tmp_path):

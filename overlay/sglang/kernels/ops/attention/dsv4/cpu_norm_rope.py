@@ -114,6 +114,11 @@ def k_norm_rope_store(
 ) -> None:
     """RMS norm + RoPE of kv [T, 512], written as V4 rows of `kvcache` at `out_loc`."""
     x = _normed_roped(kv, kv_weight, eps, freqs_cis, positions)
+    store_v4_rows(x, out_loc, kvcache, page_size)
+
+
+def store_v4_rows(x: torch.Tensor, out_loc: torch.Tensor, kvcache, page_size: int) -> None:
+    """Normed, rotated rows x [T, 512] (fp32) -> V4 rows of `kvcache` at `out_loc`."""
     keep = out_loc >= 0
     x, loc = x[keep], out_loc[keep].long()
     if loc.numel() == 0:
