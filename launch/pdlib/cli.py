@@ -88,8 +88,21 @@ def _routes_to_all(stack: Stack, router: Role, out) -> bool:
     return True
 
 
+def _models_refused(stack: Stack, out, verb: str) -> bool:
+    """True (after saying why) when the engines would not serve one model, or a DSV4-only
+    setting sits next to another model: checked before anything is started or stopped."""
+    refused = envfiles.model_problems(stack.env)
+    for problem in refused:
+        out(f"FAIL {problem}", err=True)
+    if refused:
+        out(f"{verb}: nothing started or stopped (launch/pd env check lists them all)", err=True)
+    return bool(refused)
+
+
 def cmd_up(args) -> int:
     stack, sup, out = _context(args)
+    if _models_refused(stack, out, "up"):
+        return 2
     for role in _here(stack, stack.select(args.roles), out):
         state = sup.state(role.key)
         if state.running:
@@ -142,6 +155,8 @@ def cmd_status(args) -> int:
 
 def cmd_restart(args) -> int:
     stack, sup, out = _context(args)
+    if _models_refused(stack, out, "restart"):
+        return 2
     role = _one(stack, args.role)
     if not _here(stack, [role], out):
         return 1
@@ -200,6 +215,8 @@ def _restart_in_service(stack: Stack, sup, role: Role, out, log_lines: int) -> b
 
 def cmd_co_restart(args) -> int:
     stack, sup, out = _context(args)
+    if _models_refused(stack, out, "co-restart"):
+        return 2
     t0 = time.time()
     for role in _here(stack, stack.select(args.roles), out):
         if not _restart_in_service(stack, sup, role, out, args.log_lines):
@@ -240,6 +257,8 @@ def _stopped_before(out, role: Role, why: str) -> int:
 
 def cmd_rolling_restart(args) -> int:
     stack, sup, out = _context(args)
+    if _models_refused(stack, out, "rolling-restart"):
+        return 2
     if args.role not in ("prefill", "decode"):
         raise EnvFileError(f"rolling-restart takes prefill or decode, not {args.role!r}")
     instances = stack.of_kind(args.role)

@@ -1,13 +1,20 @@
 """env/cpu-dsv4: a tiny DeepSeek-V4 in PD on real CPU engines, over NIXL, behind the real smg.
 
 The stack comes up with launch/pd from a copy of env/cpu-dsv4 (free loopback ports, its own run
-directory). Greedy tokens through the router, for a prompt longer than the 128-token window,
-must equal bench/dsv4_check's in-process tokens for the same prompt: every SWA row and the
-DSV4 request state that decode reads arrived over NIXL (patches 0007 and 0017). Decode's log
+directory). Greedy tokens through the router must equal bench/dsv4_check's in-process tokens for
+the same prompt: every row decode reads arrived over NIXL (patches 0007 and 0017). Decode's log
 must show the mma kernel's decode launches with the env file's split target.
+
+The model is env/cpu-dsv4's, the c4c128 standard (a c4 layer with its indexer, a c128 layer).
+Its 252-token prompt is longer than the 128-token window and fills compressed entries in
+prefill: 63 c4 entries and their index keys, one c128 entry, and 124 rows of the c128 state ring
+that decode needs when it closes the next window at 256 tokens. So the SWA rows, both compressed
+pools, the indexer's keys and the compressor states must all arrive for the tokens to match.
+`DSV4_PD_STANDARD=swa` runs the same tests on the SWA-only model (160-token prompt).
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +31,15 @@ from launch.pdlib import envfiles  # noqa: E402
 from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
 PD = ROOT / "launch" / "pd"
-STEPS = 6
+STANDARD = os.environ.get("DSV4_PD_STANDARD", "c4c128")
+PROMPT, STEPS = {"c4c128": (252, 6), "swa": (160, 6)}[STANDARD]
+
+
+@pytest.fixture(scope="module")
+def model(c4c128_model, request) -> Path:
+    if STANDARD == "swa":
+        return request.getfixturevalue("swa_model")
+    return c4c128_model
 
 
 def pd(env_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -38,7 +53,7 @@ def pd(env_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedP
 
 
 @pytest.fixture(scope="module")
-def dsv4_stack(swa_model, tmp_path_factory):
+def dsv4_stack(model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cpu-dsv4")
     env_dir = tmp / "env"
     shutil.copytree(ROOT / "env" / "cpu-dsv4", env_dir)
@@ -46,7 +61,7 @@ def dsv4_stack(swa_model, tmp_path_factory):
     envfiles.set_values(
         env_dir / "common.env",
         {
-            "MODEL_PATH": str(swa_model),
+            "MODEL_PATH": str(model),
             "PREFILL_PORT": str(prefill),
             "PREFILL_BOOTSTRAP_PORT": str(boot),
             "DECODE_PORT": str(decode),
@@ -68,11 +83,13 @@ def dsv4_stack(swa_model, tmp_path_factory):
     assert down.returncode == 0, down.stdout + down.stderr
 
 
-def test_greedy_through_pd_equals_the_in_process_check(swa_model, dsv4_stack, tmp_path):
+def test_greedy_through_pd_equals_the_in_process_check(model, dsv4_stack, tmp_path):
     env_dir, run_dir, router = dsv4_stack
-    cfg = json.loads((swa_model / "config.json").read_text())
-    ids = dsv4_check.prompt_ids(cfg, 160, 1)
+    cfg = json.loads((model / "config.json").read_text())
+    ids = dsv4_check.prompt_ids(cfg, PROMPT, 1)
     assert len(ids) > cfg["window_size"]
+    if STANDARD == "c4c128":  # decode closes a c128 window from the ring prefill filled
+        assert len(ids) < 256 <= len(ids) + STEPS
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": STEPS + 1}}
     request = urllib.request.Request(
         f"http://127.0.0.1:{router}/generate",
@@ -81,7 +98,7 @@ def test_greedy_through_pd_equals_the_in_process_check(swa_model, dsv4_stack, tm
     )
     with urllib.request.urlopen(request, timeout=300) as resp:
         through_pd = json.loads(resp.read())["output_ids"]
-    check = dsv4_check.run_backend("mma", swa_model, ids, STEPS, None, tmp_path / "mma.pt", 600)
+    check = dsv4_check.run_backend("mma", model, ids, STEPS, None, tmp_path / "mma.pt", 600)
     assert through_pd == check["tokens"], (through_pd, check["tokens"])
     decode_log = (run_dir / "decode.log").read_text()
     assert "SGLANG_CPU_SM120_PATH=1: this CPU scheduler takes the SM120 DSV4" in decode_log

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
-from launch_harness import ROOT, SECRET, run_pd, set_values
+from launch_harness import ROOT, SECRET, processes_using, run_pd, set_values
 
 
 def env_check(env_dir):
@@ -198,3 +199,41 @@ def test_sim_engine_refuses_what_sglang_refuses():
     )
     assert done.returncode == 2
     assert "unrecognized arguments: --mem-fraction-statc 0.85" in done.stderr
+
+
+def _model(tmp_path, model_type: str):
+    model = tmp_path / f"model-{model_type}"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return model
+
+
+def test_env_check_and_up_refuse_prefill_and_decode_on_different_models(env_dir):
+    set_values(env_dir / "decode.env", MODEL_PATH="deepseek-ai/DeepSeek-V4-Pro")
+    done = env_check(env_dir)
+    assert done.returncode == 1
+    line = next(ln for ln in done.stdout.splitlines() if "must serve the same model" in ln)
+    assert "decode.env" in line and "MODEL_PATH=deepseek-ai/DeepSeek-V4-Pro" in line
+    assert "common.env" in line and "MODEL_PATH=deepseek-ai/DeepSeek-V4-Flash" in line
+    # up refuses before it starts anything (it does not run the whole env check).
+    up = run_pd("up", "--env-dir", str(env_dir), "--sim")
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert "must serve the same model" in up.stderr and "up: nothing started" in up.stderr
+    assert not list((env_dir.parent / "run").glob("*.pid"))
+    assert processes_using(env_dir) == []
+
+
+def test_env_check_and_up_refuse_the_dsv4_path_on_a_model_that_is_not_dsv4(env_dir, tmp_path):
+    llama = _model(tmp_path, "llama")
+    set_values(env_dir / "common.env", MODEL_PATH=str(llama))
+    set_values(env_dir / "decode.env", SGLANG_CPU_SM120_PATH="1")
+    done = env_check(env_dir)
+    assert done.returncode == 1
+    line = next(ln for ln in done.stdout.splitlines() if "SGLANG_CPU_SM120_PATH" in ln)
+    assert "decode.env" in line and "model_type 'llama'" in line
+    up = run_pd("up", "--env-dir", str(env_dir), "--sim")
+    assert up.returncode == 2 and "model_type 'llama'" in up.stderr
+    assert processes_using(env_dir) == []
+    # The same setting next to a DSV4 model passes this check.
+    set_values(env_dir / "common.env", MODEL_PATH=str(_model(tmp_path, "deepseek_v4")))
+    assert "SGLANG_CPU_SM120_PATH" not in env_check(env_dir).stdout
