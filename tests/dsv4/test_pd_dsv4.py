@@ -106,3 +106,34 @@ def test_greedy_through_pd_equals_the_in_process_check(model, dsv4_stack, tmp_pa
     assert "SGLANG_SM120_MMA_TARGET_CTAS=512 (set): batch 1," in decode_log
     verify = pd(env_dir, "verify", timeout=180)
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-2000:]
+
+
+def test_co_restart_puts_a_changed_split_target_live_in_decode(model, dsv4_stack):
+    """The operator's loop on DSV4: change SGLANG_SM120_MMA_TARGET_CTAS in decode.env and
+    co-restart (each role in order, health-gated, then verify). The new value is in decode's
+    process (verify reads it live) and in the mma launcher's split choice for the next request;
+    the restarted stack serves through the router."""
+    env_dir, run_dir, router = dsv4_stack
+    log = run_dir / "decode.log"
+    offset = len(log.read_text())
+    envfiles.set_values(env_dir / "decode.env", {"SGLANG_SM120_MMA_TARGET_CTAS": "64"})
+    done = pd(env_dir, "co-restart", timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "ok   decode SGLANG_SM120_MMA_TARGET_CTAS=64 live in pid" in done.stdout, done.stdout
+    cfg = json.loads((model / "config.json").read_text())
+    body = {
+        "input_ids": dsv4_check.prompt_ids(cfg, 16, 2),
+        "sampling_params": {"temperature": 0, "max_new_tokens": 3},
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{router}/generate",
+        json.dumps(body).encode(),
+        {"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        assert len(json.loads(resp.read())["output_ids"]) == 3
+    text = log.read_text()
+    since = text[offset:] if len(text) >= offset else text  # appended, or a fresh log
+    # The restarted decode's launches (its warm-up's and this request's) use the new target.
+    assert "SGLANG_SM120_MMA_TARGET_CTAS=64 (set): batch 1," in since
+    assert "SGLANG_SM120_MMA_TARGET_CTAS=512" not in since
