@@ -8,7 +8,9 @@ break it there ("Cannot call @triton.jit'd outside of the scope of a kernel", se
 bench/dsv4_check and the engine test set it in their own processes as well.
 """
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,10 +30,30 @@ def swa_model() -> Path:
     return dsv4_check.standard_model("swa")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def c4c128_model() -> Path:
     """The standard tiny DSV4 with a c4 (indexer) and a c128 layer."""
     sys.path.insert(0, str(ROOT))
     from bench import dsv4_check
 
     return dsv4_check.standard_model("c4c128")
+
+
+# bench/dsv4_check on the c4c128 model: a 252-token prompt, 6 decode steps (the sequence reaches
+# 258 tokens, so decode closes a c128 window at 256). test_dsv4_check.py asserts on it, and
+# test_pd_dsv4.py takes its mma tokens as the reference for the same prompt through PD: one
+# run per session, made before any stack is up (PD engines poll their queues, a core each).
+C4C128_PROMPT, C4C128_STEPS = 252, 6
+
+
+@pytest.fixture(scope="session")
+def c4c128_checked(c4c128_model, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("c4c128-check") / "check.json"
+    cmd = [
+        sys.executable, str(ROOT / "bench" / "dsv4_check.py"), "--model", str(c4c128_model),
+        "--prompt-len", str(C4C128_PROMPT), "--steps", str(C4C128_STEPS), "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return {**json.loads(out.read_text()), "stdout": proc.stdout}

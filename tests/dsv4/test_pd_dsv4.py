@@ -32,7 +32,7 @@ from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
 PD = ROOT / "launch" / "pd"
 STANDARD = os.environ.get("DSV4_PD_STANDARD", "c4c128")
-PROMPT, STEPS = {"c4c128": (252, 6), "swa": (160, 6)}[STANDARD]
+SWA_PROMPT, SWA_STEPS = 160, 6  # c4c128: conftest's session check (252 tokens, 6 steps)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,20 @@ def model(c4c128_model, request) -> Path:
     if STANDARD == "swa":
         return request.getfixturevalue("swa_model")
     return c4c128_model
+
+
+@pytest.fixture(scope="module")
+def reference(model, request, tmp_path_factory) -> dict:
+    """bench/dsv4_check's in-process mma run on the PD test's prompt: its prompt ids and
+    tokens. Taken before the stack is up (the stack fixture depends on it)."""
+    if STANDARD == "c4c128":
+        got = request.getfixturevalue("c4c128_checked")
+        return {"ids": got["prompt_ids"], "tokens": got["tokens"]["mma"]}
+    cfg = json.loads((model / "config.json").read_text())
+    ids = dsv4_check.prompt_ids(cfg, SWA_PROMPT, 1)
+    out = tmp_path_factory.mktemp("reference") / "mma.pt"
+    check = dsv4_check.run_backend("mma", model, ids, SWA_STEPS, None, out, 600)
+    return {"ids": ids, "tokens": check["tokens"]}
 
 
 def pd(env_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -53,7 +67,7 @@ def pd(env_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedP
 
 
 @pytest.fixture(scope="module")
-def dsv4_stack(model, tmp_path_factory):
+def dsv4_stack(model, reference, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cpu-dsv4")
     env_dir = tmp / "env"
     shutil.copytree(ROOT / "env" / "cpu-dsv4", env_dir)
@@ -83,14 +97,15 @@ def dsv4_stack(model, tmp_path_factory):
     assert down.returncode == 0, down.stdout + down.stderr
 
 
-def test_greedy_through_pd_equals_the_in_process_check(model, dsv4_stack, tmp_path):
+def test_greedy_through_pd_equals_the_in_process_check(model, reference, dsv4_stack):
     env_dir, run_dir, router = dsv4_stack
     cfg = json.loads((model / "config.json").read_text())
-    ids = dsv4_check.prompt_ids(cfg, PROMPT, 1)
+    ids, steps = reference["ids"], len(reference["tokens"]) - 1
+    assert ids == dsv4_check.prompt_ids(cfg, len(ids), 1)
     assert len(ids) > cfg["window_size"]
     if STANDARD == "c4c128":  # decode closes a c128 window from the ring prefill filled
-        assert len(ids) < 256 <= len(ids) + STEPS
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": STEPS + 1}}
+        assert len(ids) < 256 <= len(ids) + steps
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": steps + 1}}
     request = urllib.request.Request(
         f"http://127.0.0.1:{router}/generate",
         json.dumps(body).encode(),
@@ -98,8 +113,7 @@ def test_greedy_through_pd_equals_the_in_process_check(model, dsv4_stack, tmp_pa
     )
     with urllib.request.urlopen(request, timeout=300) as resp:
         through_pd = json.loads(resp.read())["output_ids"]
-    check = dsv4_check.run_backend("mma", model, ids, STEPS, None, tmp_path / "mma.pt", 600)
-    assert through_pd == check["tokens"], (through_pd, check["tokens"])
+    assert through_pd == reference["tokens"], (through_pd, reference["tokens"])
     decode_log = (run_dir / "decode.log").read_text()
     assert "SGLANG_CPU_SM120_PATH=1: this CPU scheduler takes the SM120 DSV4" in decode_log
     # env/cpu-dsv4's SGLANG_SM120_MMA_TARGET_CTAS=512 on decode, seen by the mma launcher.
