@@ -15,7 +15,6 @@ folded into the head's weight, `weights_out = weight * weight_scale * scale`.
 from __future__ import annotations
 
 import torch
-
 from sglang.kernels.ops.attention.dsv4 import cpu_norm_rope
 from sglang.kernels.ops.attention.dsv4.cpu_compress import hadamard
 
