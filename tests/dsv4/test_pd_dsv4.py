@@ -11,28 +11,59 @@ prefill: 63 c4 entries and their index keys, one c128 entry, and 124 rows of the
 that decode needs when it closes the next window at 256 tokens. So the SWA rows, both compressed
 pools, the indexer's keys and the compressor states must all arrive for the tokens to match.
 `DSV4_PD_STANDARD=swa` runs the same tests on the SWA-only model (160-token prompt).
+
+Then the faults of tests/engine, on this model (engine_harness holds the machinery): decode
+killed mid-stream and a co-restart that also puts a changed split target live, prefill frozen
+while decode waits, decode frozen after bootstrap. Each asserts on the engines' /metrics
+counters and the client's error (which names the variable that bounded it), waits until both
+engines hold nothing, and serves a fresh request. "Hold nothing" is read from /v1/loads
+(launch/pdlib/loads.py): for a hybrid-SWA model its num_used_tokens is the larger of the full
+and SWA pools' use (PoolStats.get_kv_token_stats), and the c4/c128 compressed pools, the
+indexer's keys and the compressor states have no usage figure of their own: their rows are
+addressed through a request's full and SWA allocations (the backend's page tables and the
+state rings index by them), so they are free when those two are.
+
+The copy runs with an API key, the router's retries off (a retry would hide an engine's
+failure from the client), UCX on TCP only (tests/engine says why the frozen-decode fault needs
+it) and prefill's inflight timeout at 10 s. Decode's waiting timeout stays at the env file's 300
+s for the long prompt (it runs from decode's metadata send, so prefill's compute counts in it)
+and goes to 10 s with the co-restart, before the faults; a fault test run alone sets it first.
 """
 
 import json
 import os
+import secrets
 import shutil
-import subprocess
 import sys
-import urllib.request
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "engine"))
+
+from engine_harness import (  # noqa: E402
+    Stack,
+    decode_frozen_after_bootstrap,
+    kill_decode_mid_stream,
+    pd,
+    prefill_frozen,
+    serves_a_fresh_request,
+    wait_idle,
+)
 
 from bench import dsv4_check  # noqa: E402
 from launch.pdlib import envfiles  # noqa: E402
 from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
-PD = ROOT / "launch" / "pd"
 STANDARD = os.environ.get("DSV4_PD_STANDARD", "c4c128")
 SWA_PROMPT, SWA_STEPS = 160, 6  # c4c128: conftest's session check (252 tokens, 6 steps)
+# The faults' timeouts (seconds): decode's wait for a room's KV, prefill's for its KV sender.
+WAITING_TIMEOUT_S = 10
+INFLIGHT_TIMEOUT_S = 10
+LONG_WAITING_S = 300  # env/cpu-dsv4's decode.env, for the long prompt
 
 
 @pytest.fixture(scope="module")
@@ -56,22 +87,13 @@ def reference(model, request, tmp_path_factory) -> dict:
     return {"ids": ids, "tokens": check["tokens"]}
 
 
-def pd(env_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(PD), *args, "--env-dir", str(env_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 @pytest.fixture(scope="module")
 def dsv4_stack(model, reference, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cpu-dsv4")
     env_dir = tmp / "env"
     shutil.copytree(ROOT / "env" / "cpu-dsv4", env_dir)
     prefill, boot, decode, router, prom = free_loopback_ports(5)
+    key = "k" + secrets.token_hex(16)
     envfiles.set_values(
         env_dir / "common.env",
         {
@@ -82,8 +104,22 @@ def dsv4_stack(model, reference, tmp_path_factory):
             "ROUTER_PORT": str(router),
             "ROUTER_PROMETHEUS_PORT": str(prom),
             "PD_RUN_DIR": str(tmp / "run"),
+            "API_KEY": key,
+            # KV over TCP only (tests/engine's frozen-decode test says why).
+            "UCX_TLS": "tcp",
         },
     )
+    envfiles.set_values(
+        env_dir / "prefill.env",
+        {"SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT": str(INFLIGHT_TIMEOUT_S)},
+    )
+    router_args = {ln.key: ln.value for ln in envfiles.parse_file(env_dir / "router.env")}
+    envfiles.set_values(
+        env_dir / "router.env",
+        {"ROUTER_ARGS": envfiles.quote("--disable-retries " + router_args["ROUTER_ARGS"])},
+    )
+    waiting = {ln.key: ln.value for ln in envfiles.parse_file(env_dir / "decode.env")}
+    assert int(waiting["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"]) == LONG_WAITING_S
     up = pd(env_dir, "up")
     if up.returncode != 0:
         logs = "\n".join(
@@ -92,13 +128,20 @@ def dsv4_stack(model, reference, tmp_path_factory):
         )
         pd(env_dir, "down", timeout=120)
         pytest.fail(f"launch/pd up failed:\n{up.stdout[-3000:]}{up.stderr[-2000:]}\n{logs}")
-    yield env_dir, tmp / "run", router
+    cfg = json.loads((model / "config.json").read_text())
+    small = {
+        "input_ids": dsv4_check.prompt_ids(cfg, 16, 2),
+        "sampling_params": {"temperature": 0, "max_new_tokens": 3},
+    }
+    ports = {"router": router, "prefill": prefill, "decode": decode}
+    stack = Stack(env_dir, tmp / "run", ports, key, small, LONG_WAITING_S, INFLIGHT_TIMEOUT_S)
+    yield stack
     down = pd(env_dir, "down", timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr
 
 
 def test_greedy_through_pd_equals_the_in_process_check(model, reference, dsv4_stack):
-    env_dir, run_dir, router = dsv4_stack
+    stack = dsv4_stack
     cfg = json.loads((model / "config.json").read_text())
     ids, steps = reference["ids"], len(reference["tokens"]) - 1
     assert ids == dsv4_check.prompt_ids(cfg, len(ids), 1)
@@ -106,48 +149,83 @@ def test_greedy_through_pd_equals_the_in_process_check(model, reference, dsv4_st
     if STANDARD == "c4c128":  # decode closes a c128 window from the ring prefill filled
         assert len(ids) < 256 <= len(ids) + steps
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": steps + 1}}
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{router}/generate",
-        json.dumps(body).encode(),
-        {"content-type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        through_pd = json.loads(resp.read())["output_ids"]
+    through_pd = stack.post("/generate", body, timeout=300)["output_ids"]
     assert through_pd == reference["tokens"], (through_pd, reference["tokens"])
-    decode_log = (run_dir / "decode.log").read_text()
+    decode_log = stack.log("decode")
     assert "SGLANG_CPU_SM120_PATH=1: this CPU scheduler takes the SM120 DSV4" in decode_log
     # env/cpu-dsv4's SGLANG_SM120_MMA_TARGET_CTAS=512 on decode, seen by the mma launcher.
     assert "SGLANG_SM120_MMA_TARGET_CTAS=512 (set): batch 1," in decode_log
-    verify = pd(env_dir, "verify", timeout=180)
+    verify = pd(stack.env_dir, "verify", timeout=180)
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-2000:]
 
 
-def test_co_restart_puts_a_changed_split_target_live_in_decode(model, dsv4_stack):
-    """The operator's loop on DSV4: change SGLANG_SM120_MMA_TARGET_CTAS in decode.env and
-    co-restart (each role in order, health-gated, then verify). The new value is in decode's
-    process (verify reads it live) and in the mma launcher's split choice for the next request;
-    the restarted stack serves through the router."""
-    env_dir, run_dir, router = dsv4_stack
-    log = run_dir / "decode.log"
-    offset = len(log.read_text())
-    envfiles.set_values(env_dir / "decode.env", {"SGLANG_SM120_MMA_TARGET_CTAS": "64"})
-    done = pd(env_dir, "co-restart", timeout=900)
+def _co_restart_with(stack: Stack, decode_values: dict[str, str]) -> str:
+    """decode.env changed, then `launch/pd co-restart`; returns its output."""
+    envfiles.set_values(stack.env_dir / "decode.env", decode_values)
+    done = pd(stack.env_dir, "co-restart", timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "ok   decode SGLANG_SM120_MMA_TARGET_CTAS=64 live in pid" in done.stdout, done.stdout
-    cfg = json.loads((model / "config.json").read_text())
-    body = {
-        "input_ids": dsv4_check.prompt_ids(cfg, 16, 2),
-        "sampling_params": {"temperature": 0, "max_new_tokens": 3},
-    }
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{router}/generate",
-        json.dumps(body).encode(),
-        {"content-type": "application/json"},
+    for key, value in decode_values.items():
+        assert f"ok   decode {key}={value} live in pid" in done.stdout, done.stdout
+    return done.stdout
+
+
+def _short_waiting_timeout(stack: Stack) -> None:
+    """The faults run with decode's waiting timeout at WAITING_TIMEOUT_S. In the module that is
+    done by the co-restart test; a fault test run alone does it here."""
+    if stack.waiting_s != WAITING_TIMEOUT_S:
+        _co_restart_with(stack, {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S)})
+        stack.waiting_s = WAITING_TIMEOUT_S
+
+
+def test_decode_killed_mid_stream_then_co_restart_puts_a_changed_split_target_live(dsv4_stack):
+    """Decode killed while it streams: the client gets an error, not a finished stream, and
+    prefill holds nothing. Then the operator's loop on DSV4: SGLANG_SM120_MMA_TARGET_CTAS
+    changed in decode.env (with the faults' waiting timeout) and `co-restart` (each role in
+    order, health-gated, then verify): the new value is live in decode's process and in the mma
+    launcher's split choice for the next request, which the restarted stack serves. /metrics:
+    prefill counted the killed request's prompt, and the new decode the new request's tokens."""
+    stack = dsv4_stack
+    prompt_before = stack.metrics("prefill").get("sglang:prompt_tokens_total", 0.0)
+    body = {**stack.body, "sampling_params": {"temperature": 0, "max_new_tokens": 64}}
+    kill_decode_mid_stream(stack, body, kill_after=3, stream_s=120)
+    prompt_after = stack.metrics("prefill")["sglang:prompt_tokens_total"]
+    assert prompt_after >= prompt_before + len(body["input_ids"])
+    log = stack.run_dir / "decode.log"
+    offset = len(log.read_text())
+    out = _co_restart_with(
+        stack,
+        {
+            "SGLANG_SM120_MMA_TARGET_CTAS": "64",
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S),
+        },
     )
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        assert len(json.loads(resp.read())["output_ids"]) == 3
+    stack.waiting_s = WAITING_TIMEOUT_S
+    assert "co-restart done in" in out, out
+    serves_a_fresh_request(stack)
+    wait_idle(stack, "prefill")
+    wait_idle(stack, "decode")
+    assert stack.metrics("decode")["sglang:generation_tokens_total"] >= stack.out_len
     text = log.read_text()
     since = text[offset:] if len(text) >= offset else text  # appended, or a fresh log
     # The restarted decode's launches (its warm-up's and this request's) use the new target.
     assert "SGLANG_SM120_MMA_TARGET_CTAS=64 (set): batch 1," in since
     assert "SGLANG_SM120_MMA_TARGET_CTAS=512" not in since
+
+
+def test_prefill_frozen_decode_fails_the_room_after_its_waiting_timeout(dsv4_stack):
+    """Prefill's scheduler stopped: decode fails the DSV4 room after its waiting timeout (the
+    client's error names the variable), its failed-transfer counter counts it, both engines
+    come back to holding nothing, and a fresh request is served."""
+    _short_waiting_timeout(dsv4_stack)
+    prefill_frozen(dsv4_stack)
+
+
+def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(dsv4_stack):
+    """Decode stopped after bootstrapping the DSV4 room: prefill's KV send (the SWA, compressed,
+    indexer and state buffers) never concludes, patch 0003 fails it after the inflight timeout
+    (counted on prefill's /metrics, named in the client's error), and both engines come back to
+    holding nothing (engine_harness.decode_frozen_after_bootstrap)."""
+    _short_waiting_timeout(dsv4_stack)
+    started = time.monotonic()
+    decode_frozen_after_bootstrap(dsv4_stack)
+    print(f"decode frozen after bootstrap: {time.monotonic() - started:.0f} s")
