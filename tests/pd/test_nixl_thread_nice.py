@@ -18,9 +18,13 @@ import pytest
 from sglang.srt.disaggregation import nixl_thread_nice
 
 CHILD = r"""
-import json, logging, os, sys, threading, time
+import importlib.util, json, logging, os, sys, threading, time
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-from sglang.srt.disaggregation import nixl_thread_nice
+
+# The installed module by its path: importing sglang's package would cost seconds here.
+spec = importlib.util.spec_from_file_location("nixl_thread_nice", sys.argv[1])
+nixl_thread_nice = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(nixl_thread_nice)
 
 logging.basicConfig(level=logging.INFO)
 
@@ -51,7 +55,11 @@ def _child(value: str | None) -> subprocess.CompletedProcess:
         env[nixl_thread_nice.ENV] = value
     env["UCX_NET_DEVICES"] = "lo"
     return subprocess.run(
-        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", CHILD, nixl_thread_nice.__file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
