@@ -7,7 +7,7 @@ import json
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 
@@ -78,6 +78,12 @@ class Check:
     text: str
     # False: the check could not run from this host; it neither passes nor fails.
     checked: bool = True
+    # What was checked, for `verify --textfile`: the instance (prefill, decode/2, router; empty
+    # for the installed build), the layer (health, env, build) and the variable (env checks of
+    # one knob; empty otherwise). Never a value.
+    instance: str = ""
+    layer: str = ""
+    variable: str = ""
 
     def line(self) -> str:
         return f"{'skip' if not self.checked else 'ok  ' if self.ok else 'FAIL'} {self.text}"
@@ -88,7 +94,14 @@ def health_checks(stack: Stack) -> list[Check]:
     for role in stack.roles.values():
         reply = http(role.health_url)
         got = f"HTTP {reply.status}" if reply.status is not None else reply.error
-        out.append(Check(reply.status == 200, f"{role.name} health {role.health_url}: {got}"))
+        out.append(
+            Check(
+                reply.status == 200,
+                f"{role.name} health {role.health_url}: {got}",
+                instance=role.name,
+                layer="health",
+            )
+        )
     return out
 
 
@@ -97,74 +110,82 @@ def environ_checks(stack: Stack) -> list[Check]:
     no SGLANG_* knob, and it rewrites its process title, which blanks /proc/PID/environ."""
     out = []
     for role in stack.of_kind("prefill") + stack.of_kind("decode"):
-        knobs = stack.env.knobs(role.kind, role.index)
-        if not knobs:
-            continue
-        if not role.local:
-            out.append(
-                Check(
-                    True,
-                    f"{role.name}: not checked here: it runs on {role.host}, not this host "
-                    f"({stack.here}), and a remote /proc cannot be read from here; run verify "
-                    f"on {role.host} for {', '.join(knobs)}",
-                    checked=False,
-                )
-            )
-            continue
-        pid = port_owner(role.port)
-        if pid is None:
-            out.append(
-                Check(
-                    False,
-                    f"{role.name}: no process listens on port {role.port}; "
-                    f"cannot read its environment for {', '.join(knobs)}",
-                )
-            )
-            continue
-        try:
-            live = psutil.Process(pid).environ()
-        except psutil.AccessDenied:
-            out.append(
-                Check(
-                    False,
-                    f"{role.name}: /proc/{pid}/environ is not readable by this "
-                    "user (run as root or as the service user)",
-                )
-            )
-            continue
-        except psutil.Error as exc:
-            out.append(Check(False, f"{role.name}: pid {pid}: {exc}"))
-            continue
-        if not live:
-            out.append(
-                Check(
-                    False,
-                    f"{role.name}: /proc/{pid}/environ reads empty (the process "
-                    "rewrote its title over it); its knobs cannot be checked",
-                )
-            )
-            continue
-        for key, want in knobs.items():
-            shown = REDACTED if is_secret(key) else want
-            if key not in live:
-                out.append(
-                    Check(
-                        False,
-                        f"{role.name} {key}={shown}: in the env files but "
-                        f"missing from the environment of pid {pid}",
-                    )
-                )
-            elif live[key] != want:
-                got = REDACTED if is_secret(key) else live[key]
-                out.append(
-                    Check(
-                        False,
-                        f"{role.name} {key}: pid {pid} has {got!r}, the env files say {shown!r}",
-                    )
-                )
-            else:
-                out.append(Check(True, f"{role.name} {key}={shown} live in pid {pid}"))
+        before = len(out)
+        _role_environ_checks(stack, role, out)
+        out[before:] = [replace(c, instance=role.name, layer="env") for c in out[before:]]
     return out
+
+
+def _role_environ_checks(stack: Stack, role: Role, out: list[Check]) -> None:
+    knobs = stack.env.knobs(role.kind, role.index)
+    if not knobs:
+        return
+    if not role.local:
+        out.append(
+            Check(
+                True,
+                f"{role.name}: not checked here: it runs on {role.host}, not this host "
+                f"({stack.here}), and a remote /proc cannot be read from here; run verify "
+                f"on {role.host} for {', '.join(knobs)}",
+                checked=False,
+            )
+        )
+        return
+    pid = port_owner(role.port)
+    if pid is None:
+        out.append(
+            Check(
+                False,
+                f"{role.name}: no process listens on port {role.port}; "
+                f"cannot read its environment for {', '.join(knobs)}",
+            )
+        )
+        return
+    try:
+        live = psutil.Process(pid).environ()
+    except psutil.AccessDenied:
+        out.append(
+            Check(
+                False,
+                f"{role.name}: /proc/{pid}/environ is not readable by this "
+                "user (run as root or as the service user)",
+            )
+        )
+        return
+    except psutil.Error as exc:
+        out.append(Check(False, f"{role.name}: pid {pid}: {exc}"))
+        return
+    if not live:
+        out.append(
+            Check(
+                False,
+                f"{role.name}: /proc/{pid}/environ reads empty (the process "
+                "rewrote its title over it); its knobs cannot be checked",
+            )
+        )
+        return
+    for key, want in knobs.items():
+        shown = REDACTED if is_secret(key) else want
+        if key not in live:
+            out.append(
+                Check(
+                    False,
+                    f"{role.name} {key}={shown}: in the env files but "
+                    f"missing from the environment of pid {pid}",
+                    variable=key,
+                )
+            )
+        elif live[key] != want:
+            got = REDACTED if is_secret(key) else live[key]
+            out.append(
+                Check(
+                    False,
+                    f"{role.name} {key}: pid {pid} has {got!r}, the env files say {shown!r}",
+                    variable=key,
+                )
+            )
+        else:
+            out.append(Check(True, f"{role.name} {key}={shown} live in pid {pid}", variable=key))
 
 
 def expected_label() -> tuple[str | None, str]:
@@ -230,7 +251,47 @@ def manifest_check(stack: Stack) -> Check:
 
 
 def verify(stack: Stack) -> list[Check]:
-    return health_checks(stack) + environ_checks(stack) + [manifest_check(stack)]
+    build = replace(manifest_check(stack), layer="build")
+    return health_checks(stack) + environ_checks(stack) + [build]
+
+
+TEXTFILE_HELP = {
+    "sm120pd_verify_check_ok": "1 when a launch/pd verify check passed, 0 when it failed",
+    "sm120pd_verify_checks": "launch/pd verify's checks by result (ok, failed, skipped)",
+    "sm120pd_verify_last_run_timestamp_seconds": "when launch/pd verify last ran (Unix time)",
+}
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def textfile(results: list[Check], now: float) -> str:
+    """verify's results in the Prometheus text format, for node_exporter's textfile collector:
+    one gauge per check that ran, labelled by instance, layer and variable (names only, never a
+    value), the counts by result, and the time of the run."""
+    lines = []
+
+    def head(name: str) -> None:
+        lines.extend([f"# HELP {name} {TEXTFILE_HELP[name]}", f"# TYPE {name} gauge"])
+
+    head("sm120pd_verify_check_ok")
+    for c in results:
+        if c.checked:
+            labels = f'instance="{_label(c.instance)}",layer="{_label(c.layer)}",'
+            labels += f'variable="{_label(c.variable)}"'
+            lines.append(f"sm120pd_verify_check_ok{{{labels}}} {int(c.ok)}")
+    head("sm120pd_verify_checks")
+    counts = {
+        "ok": sum(c.checked and c.ok for c in results),
+        "failed": sum(c.checked and not c.ok for c in results),
+        "skipped": sum(not c.checked for c in results),
+    }
+    for result, count in counts.items():
+        lines.append(f'sm120pd_verify_checks{{result="{result}"}} {count}')
+    head("sm120pd_verify_last_run_timestamp_seconds")
+    lines.append(f"sm120pd_verify_last_run_timestamp_seconds {now:.3f}")
+    return "\n".join(lines) + "\n"
 
 
 def summary(results: list[Check]) -> tuple[bool, str]:

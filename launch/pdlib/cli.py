@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import replace
@@ -316,12 +317,28 @@ def cmd_rolling_restart(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    textfile = Path(args.textfile) if args.textfile else None
+    if textfile is not None and not textfile.parent.is_dir():
+        print(f"verify: --textfile {textfile}: no directory {textfile.parent}", file=sys.stderr)
+        return 2
     stack, _, out = _context(args)
     results = checks.verify(_narrowed(stack, args.roles))
     for check in results:
         out(check.line())
     ok, text = checks.summary(results)
     out(f"verify: {text}")
+    if textfile is not None:
+        # Written whole, then renamed: a collector never reads half a file.
+        tmp = textfile.with_name(f".{textfile.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(checks.textfile(results, time.time()))
+            tmp.chmod(0o644)
+            os.replace(tmp, textfile)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            print(f"verify: --textfile {textfile}: {exc}", file=sys.stderr)
+            return 2
+        out(f"verify: results written to {textfile}")
     return 0 if ok else 1
 
 
@@ -499,6 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         parents=[stack, targets],
         help="health, knobs in the live process environments, patched build",
+    )
+    p.add_argument(
+        "--textfile",
+        metavar="PATH",
+        help="also write the results in the Prometheus text format to PATH (for node_exporter's "
+        "textfile collector: one gauge per check, labelled by instance, layer and variable)",
     )
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser(

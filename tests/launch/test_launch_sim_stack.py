@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 from launch_harness import SECRET, SimStack, kill_all, processes_using, set_values
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def get_json(url: str, key: str = ""):
@@ -112,6 +113,54 @@ def test_verify_fails_when_a_knob_is_only_in_the_file(sim_stack: SimStack):
         assert "ok   decode SGLANG_SM120_MMA_TARGET_CTAS=512" in done.stdout
     finally:
         decode_env.write_text(before)
+
+
+def test_verify_textfile_has_one_gauge_per_check_and_no_value(sim_stack: SimStack, tmp_path):
+    """`verify --textfile PATH` (for node_exporter's textfile collector, and the knob-drift
+    alert): a knob only in the file reads 0, a live one 1, labelled by instance, layer and
+    variable; the file parses as the Prometheus text format and holds no value of any knob."""
+    decode_env = sim_stack.env / "decode.env"
+    before = decode_env.read_text()
+    path = tmp_path / "sm120pd_verify.prom"
+    try:
+        set_values(decode_env, SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="301")
+        done = sim_stack.pd("verify", "--textfile", str(path))
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert f"verify: results written to {path}" in done.stdout
+    finally:
+        decode_env.write_text(before)
+    text = path.read_text()
+    assert SECRET not in text and "301" not in text and "=512" not in text
+    assert oct(path.stat().st_mode & 0o777) == "0o644"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        assert family.type == "gauge", family
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+
+    def check(instance: str, layer: str, variable: str = "") -> float:
+        labels = (("instance", instance), ("layer", layer), ("variable", variable))
+        return samples[("sm120pd_verify_check_ok", labels)]
+
+    assert check("decode", "env", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT") == 0
+    assert check("decode", "env", "SGLANG_SM120_MMA_TARGET_CTAS") == 1
+    for role in ("prefill", "decode", "router"):
+        assert check(role, "health") == 1
+    assert check("", "build") == 1
+    assert samples[("sm120pd_verify_checks", (("result", "failed"),))] == 1
+    ok = samples[("sm120pd_verify_checks", (("result", "ok"),))]
+    assert ok == sum(v for (name, _), v in samples.items() if name == "sm120pd_verify_check_ok")
+    stamp = samples[("sm120pd_verify_last_run_timestamp_seconds", ())]
+    assert abs(stamp - time.time()) < 120
+
+
+def test_verify_textfile_in_a_missing_directory_is_refused_before_any_check(sim_stack, tmp_path):
+    path = tmp_path / "nowhere" / "sm120pd_verify.prom"
+    done = sim_stack.pd("verify", "--textfile", str(path))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"verify: --textfile {path}: no directory {path.parent}" in done.stderr
+    assert "ok   " not in done.stdout and not path.parent.exists()
 
 
 def test_verify_fails_on_plain_upstream_sglang_without_crashing(
