@@ -32,8 +32,6 @@ and goes to 10 s with the co-restart, before the faults; a fault test run alone 
 
 import json
 import os
-import secrets
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -51,12 +49,13 @@ from engine_harness import (  # noqa: E402
     pd,
     prefill_frozen,
     serves_a_fresh_request,
+    start_fault_stack,
+    stop_stack,
     wait_idle,
 )
 
 from bench import dsv4_check  # noqa: E402
 from launch.pdlib import envfiles  # noqa: E402
-from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
 STANDARD = os.environ.get("DSV4_PD_STANDARD", "c4c128")
 SWA_PROMPT, SWA_STEPS = 160, 6  # c4c128: conftest's session check (252 tokens, 6 steps)
@@ -89,55 +88,21 @@ def reference(model, request, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def dsv4_stack(model, reference, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cpu-dsv4")
-    env_dir = tmp / "env"
-    shutil.copytree(ROOT / "env" / "cpu-dsv4", env_dir)
-    prefill, boot, decode, router, prom = free_loopback_ports(5)
-    key = "k" + secrets.token_hex(16)
-    envfiles.set_values(
-        env_dir / "common.env",
-        {
-            "MODEL_PATH": str(model),
-            "PREFILL_PORT": str(prefill),
-            "PREFILL_BOOTSTRAP_PORT": str(boot),
-            "DECODE_PORT": str(decode),
-            "ROUTER_PORT": str(router),
-            "ROUTER_PROMETHEUS_PORT": str(prom),
-            "PD_RUN_DIR": str(tmp / "run"),
-            "API_KEY": key,
-            # KV over TCP only (tests/engine's frozen-decode test says why).
-            "UCX_TLS": "tcp",
-        },
-    )
-    envfiles.set_values(
-        env_dir / "prefill.env",
-        {"SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT": str(INFLIGHT_TIMEOUT_S)},
-    )
-    router_args = {ln.key: ln.value for ln in envfiles.parse_file(env_dir / "router.env")}
-    envfiles.set_values(
-        env_dir / "router.env",
-        {"ROUTER_ARGS": envfiles.quote("--disable-retries " + router_args["ROUTER_ARGS"])},
-    )
-    waiting = {ln.key: ln.value for ln in envfiles.parse_file(env_dir / "decode.env")}
-    assert int(waiting["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"]) == LONG_WAITING_S
-    up = pd(env_dir, "up")
-    if up.returncode != 0:
-        logs = "\n".join(
-            pd(env_dir, "logs", role, "-n", "40", timeout=30).stdout
-            for role in ("prefill", "decode", "router")
-        )
-        pd(env_dir, "down", timeout=120)
-        pytest.fail(f"launch/pd up failed:\n{up.stdout[-3000:]}{up.stderr[-2000:]}\n{logs}")
     cfg = json.loads((model / "config.json").read_text())
     small = {
         "input_ids": dsv4_check.prompt_ids(cfg, 16, 2),
         "sampling_params": {"temperature": 0, "max_new_tokens": 3},
     }
-    ports = {"router": router, "prefill": prefill, "decode": decode}
-    stack = Stack(env_dir, tmp / "run", ports, key, small, LONG_WAITING_S, INFLIGHT_TIMEOUT_S)
+    stack = start_fault_stack(
+        "cpu-dsv4",
+        tmp_path_factory.mktemp("cpu-dsv4"),
+        small,
+        LONG_WAITING_S,
+        INFLIGHT_TIMEOUT_S,
+        {"MODEL_PATH": str(model)},
+    )
     yield stack
-    down = pd(env_dir, "down", timeout=180)
-    assert down.returncode == 0, down.stdout + down.stderr
+    stop_stack(stack)
 
 
 def test_greedy_through_pd_equals_the_in_process_check(model, reference, dsv4_stack):

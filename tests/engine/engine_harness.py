@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -29,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PD = ROOT / "launch" / "pd"
 sys.path.insert(0, str(ROOT))
 
-from launch.pdlib import loads  # noqa: E402
+from launch.pdlib import envfiles, loads  # noqa: E402
 from launch.pdlib.promtext import sample_sums  # noqa: E402
+from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
 UP_TIMEOUT_S = 420
 # Upstream's SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (default 30 s, not set
@@ -115,6 +117,62 @@ class Stack:
         ]
         assert found, f"no scheduler process under {role} pid {self.pid(role)}"
         return found
+
+
+def start_fault_stack(
+    src: str,
+    tmp: Path,
+    body: dict,
+    waiting_s: float,
+    inflight_s: float,
+    common: dict[str, str] | None = None,
+) -> Stack:
+    """`launch/pd up` from a copy of env/SRC in `tmp`, set up for the fault tests: free loopback
+    ports, a fresh API key, KV over TCP only (decode_frozen_after_bootstrap says why), decode's
+    waiting and prefill's inflight timeouts as given, and the router's retries off (a retry
+    would hide an engine's failure from the client). `common` adds common.env values. On a
+    failed `up` it stops what started and fails with the three logs' tails."""
+    env_dir = tmp / "env"
+    shutil.copytree(ROOT / "env" / src, env_dir)
+    prefill, boot, decode, router, prom = free_loopback_ports(5)
+    key = "k" + secrets.token_hex(16)
+    values = {
+        "PREFILL_PORT": str(prefill),
+        "PREFILL_BOOTSTRAP_PORT": str(boot),
+        "DECODE_PORT": str(decode),
+        "ROUTER_PORT": str(router),
+        "ROUTER_PROMETHEUS_PORT": str(prom),
+        "PD_RUN_DIR": str(tmp / "run"),
+        "API_KEY": key,
+        "UCX_TLS": "tcp",
+    }
+    envfiles.set_values(env_dir / "common.env", values | (common or {}))
+    envfiles.set_values(
+        env_dir / "decode.env", {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": f"{waiting_s:g}"}
+    )
+    envfiles.set_values(
+        env_dir / "prefill.env", {"SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT": f"{inflight_s:g}"}
+    )
+    router_args = {ln.key: ln.value for ln in envfiles.parse_file(env_dir / "router.env")}
+    envfiles.set_values(
+        env_dir / "router.env",
+        {"ROUTER_ARGS": envfiles.quote("--disable-retries " + router_args["ROUTER_ARGS"])},
+    )
+    up = pd(env_dir, "up")
+    if up.returncode != 0:
+        logs = "\n".join(
+            pd(env_dir, "logs", role, "-n", "40", timeout=30).stdout
+            for role in ("prefill", "decode", "router")
+        )
+        pd(env_dir, "down", timeout=120)
+        pytest.fail(f"launch/pd up failed:\n{up.stdout[-3000:]}{up.stderr[-2000:]}\n{logs}")
+    ports = {"router": router, "prefill": prefill, "decode": decode}
+    return Stack(env_dir, tmp / "run", ports, key, body, waiting_s, inflight_s)
+
+
+def stop_stack(stack: Stack) -> None:
+    down = pd(stack.env_dir, "down", timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
 
 
 def multiround(stack: Stack, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import shutil
 import signal
 import stat
 import subprocess
@@ -27,13 +25,14 @@ import psutil
 import pytest
 from engine_harness import (
     ROOT,
-    Stack,
     decode_frozen_after_bootstrap,
     kill_decode_mid_stream,
     multiround,
     pd,
     prefill_frozen,
     serves_a_fresh_request,
+    start_fault_stack,
+    stop_stack,
     wait_for,
     wait_idle,
 )
@@ -73,49 +72,11 @@ def cpu_stack(tmp_path_factory):
         timeout=300,
     )
     assert model.returncode == 0, model.stderr[-3000:]
-    tmp = tmp_path_factory.mktemp("cpu-stack")
-    env_dir = tmp / "env"
-    shutil.copytree(ROOT / "env" / "cpu", env_dir)
-    prefill, boot, decode, router, prom = free_loopback_ports(5)
-    key = "k" + secrets.token_hex(16)
-    envfiles.set_values(
-        env_dir / "common.env",
-        {
-            "PREFILL_PORT": str(prefill),
-            "PREFILL_BOOTSTRAP_PORT": str(boot),
-            "DECODE_PORT": str(decode),
-            "ROUTER_PORT": str(router),
-            "ROUTER_PROMETHEUS_PORT": str(prom),
-            "PD_RUN_DIR": str(tmp / "run"),
-            "API_KEY": key,
-            # KV over TCP only (see the frozen-decode test).
-            "UCX_TLS": "tcp",
-        },
+    stack = start_fault_stack(
+        "cpu", tmp_path_factory.mktemp("cpu-stack"), GREEDY, WAITING_TIMEOUT_S, INFLIGHT_TIMEOUT_S
     )
-    envfiles.set_values(
-        env_dir / "decode.env", {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S)}
-    )
-    envfiles.set_values(
-        env_dir / "prefill.env",
-        {"SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT": str(INFLIGHT_TIMEOUT_S)},
-    )
-    router_args = {ln.key: ln.value for ln in envfiles.parse_file(env_dir / "router.env")}
-    envfiles.set_values(
-        env_dir / "router.env",
-        {"ROUTER_ARGS": envfiles.quote("--disable-retries " + router_args["ROUTER_ARGS"])},
-    )
-    up = pd(env_dir, "up")
-    if up.returncode != 0:
-        logs = "\n".join(
-            pd(env_dir, "logs", role, "-n", "40", timeout=30).stdout
-            for role in ("prefill", "decode", "router")
-        )
-        pd(env_dir, "down", timeout=120)
-        pytest.fail(f"launch/pd up failed:\n{up.stdout[-3000:]}{up.stderr[-2000:]}\n{logs}")
-    ports = {"router": router, "prefill": prefill, "decode": decode}
-    yield Stack(env_dir, tmp / "run", ports, key, GREEDY, WAITING_TIMEOUT_S, INFLIGHT_TIMEOUT_S)
-    down = pd(env_dir, "down", timeout=180)
-    assert down.returncode == 0, down.stdout + down.stderr
+    yield stack
+    stop_stack(stack)
 
 
 def test_the_api_key_is_on_no_command_line_and_in_private_files_only(cpu_stack):
