@@ -266,11 +266,15 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def textfile(results: list[Check], now: float) -> str:
+def textfile(results: list[Check], now: float, stack: str) -> str:
     """verify's results in the Prometheus text format, for node_exporter's textfile collector:
     one gauge per check that ran, labelled by instance, layer and variable (names only, never a
-    value), the counts by result, and the time of the run."""
+    value), the counts by result, and the time of the run; every sample carries the stack's
+    name (PD_UNIT_PREFIX), so that several stacks on one host keep their own series. The
+    instance label is `pd_instance`, as on the scrape targets `launch/pd monitoring` writes: a
+    scraped `instance` label would clash with the node exporter target's own."""
     lines = []
+    own = f'stack="{_label(stack)}"'
 
     def head(name: str) -> None:
         lines.extend([f"# HELP {name} {TEXTFILE_HELP[name]}", f"# TYPE {name} gauge"])
@@ -278,7 +282,7 @@ def textfile(results: list[Check], now: float) -> str:
     head("sm120pd_verify_check_ok")
     for c in results:
         if c.checked:
-            labels = f'instance="{_label(c.instance)}",layer="{_label(c.layer)}",'
+            labels = f'{own},pd_instance="{_label(c.instance)}",layer="{_label(c.layer)}",'
             labels += f'variable="{_label(c.variable)}"'
             lines.append(f"sm120pd_verify_check_ok{{{labels}}} {int(c.ok)}")
     head("sm120pd_verify_checks")
@@ -288,9 +292,9 @@ def textfile(results: list[Check], now: float) -> str:
         "skipped": sum(not c.checked for c in results),
     }
     for result, count in counts.items():
-        lines.append(f'sm120pd_verify_checks{{result="{result}"}} {count}')
+        lines.append(f'sm120pd_verify_checks{{{own},result="{result}"}} {count}')
     head("sm120pd_verify_last_run_timestamp_seconds")
-    lines.append(f"sm120pd_verify_last_run_timestamp_seconds {now:.3f}")
+    lines.append(f"sm120pd_verify_last_run_timestamp_seconds{{{own}}} {now:.3f}")
     return "\n".join(lines) + "\n"
 
 

@@ -331,7 +331,7 @@ def cmd_verify(args) -> int:
         # Written whole, then renamed: a collector never reads half a file.
         tmp = textfile.with_name(f".{textfile.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(checks.textfile(results, time.time()))
+            tmp.write_text(checks.textfile(results, time.time(), stack.unit_prefix))
             tmp.chmod(0o644)
             os.replace(tmp, textfile)
         except OSError as exc:

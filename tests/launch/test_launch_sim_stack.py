@@ -16,6 +16,8 @@ import psutil
 from launch_harness import SECRET, SimStack, kill_all, processes_using, set_values
 from prometheus_client.parser import text_string_to_metric_families
 
+from launch.pdlib import envfiles
+
 
 def get_json(url: str, key: str = ""):
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
@@ -130,6 +132,7 @@ def test_verify_textfile_has_one_gauge_per_check_and_no_value(sim_stack: SimStac
     finally:
         decode_env.write_text(before)
     text = path.read_text()
+    stack = envfiles.EnvDir(sim_stack.env).common()["PD_UNIT_PREFIX"]
     assert SECRET not in text and "301" not in text and "=512" not in text
     assert oct(path.stat().st_mode & 0o777) == "0o644"
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
@@ -140,7 +143,12 @@ def test_verify_textfile_has_one_gauge_per_check_and_no_value(sim_stack: SimStac
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
 
     def check(instance: str, layer: str, variable: str = "") -> float:
-        labels = (("instance", instance), ("layer", layer), ("variable", variable))
+        labels = (
+            ("layer", layer),
+            ("pd_instance", instance),
+            ("stack", stack),
+            ("variable", variable),
+        )
         return samples[("sm120pd_verify_check_ok", labels)]
 
     assert check("decode", "env", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT") == 0
@@ -148,10 +156,10 @@ def test_verify_textfile_has_one_gauge_per_check_and_no_value(sim_stack: SimStac
     for role in ("prefill", "decode", "router"):
         assert check(role, "health") == 1
     assert check("", "build") == 1
-    assert samples[("sm120pd_verify_checks", (("result", "failed"),))] == 1
-    ok = samples[("sm120pd_verify_checks", (("result", "ok"),))]
+    assert samples[("sm120pd_verify_checks", (("result", "failed"), ("stack", stack)))] == 1
+    ok = samples[("sm120pd_verify_checks", (("result", "ok"), ("stack", stack)))]
     assert ok == sum(v for (name, _), v in samples.items() if name == "sm120pd_verify_check_ok")
-    stamp = samples[("sm120pd_verify_last_run_timestamp_seconds", ())]
+    stamp = samples[("sm120pd_verify_last_run_timestamp_seconds", (("stack", stack),))]
     assert abs(stamp - time.time()) < 120
 
 
