@@ -7,6 +7,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 TOOLS_VENV="$ROOT/build/tools-venv"
 TEST_VENV="$ROOT/.venv"
+# Debian's prometheus package (the server and promtool), for the monitoring tests.
+PROMETHEUS_DIR="$ROOT/build/prometheus"
 
 usage() {
   cat <<'USAGE'
@@ -21,8 +23,9 @@ Commands:
                    overlay files into overlay/
   rebase VERSION   try the series on another upstream release and print a table (changes nothing)
   label            print the local version label of the current series
-  test [ARGS]      create .venv, install the pinned test dependencies, build and install the
-                   patched wheel, run ruff check, ruff format --check, shellcheck and pytest
+  test [ARGS]      create .venv, install the pinned test dependencies, unpack Debian's
+                   prometheus package into build/prometheus, build and install the patched
+                   wheel, run ruff check, ruff format --check, shellcheck and pytest
                    (ARGS go to pytest)
   clean            remove build/ and dist/ (the upstream wheel cache is kept)
 
@@ -57,6 +60,36 @@ series() {
   (cd "$ROOT" && "$py" tools/series.py "$@")
 }
 
+prometheus_tools() {
+  # Unpacked into build/prometheus, not installed: installing the package would also enable and
+  # start a Prometheus service on the machine. The binaries need only libc.
+  if [[ -x "$PROMETHEUS_DIR/usr/bin/prometheus" && -x "$PROMETHEUS_DIR/usr/bin/promtool" ]]; then
+    return 0
+  fi
+  if ! command -v apt-get >/dev/null || ! command -v dpkg-deb >/dev/null; then
+    echo "error: the monitoring tests need Debian's prometheus package (prometheus, promtool);" \
+      "this machine has no apt-get/dpkg-deb to fetch it into build/prometheus" >&2
+    exit 1
+  fi
+  echo "== unpacking Debian's prometheus package into build/prometheus"
+  local tmp
+  tmp="$(mktemp -d)"
+  chmod 0777 "$tmp" # apt's download user writes there
+  if ! (cd "$tmp" && apt-get download -qq prometheus 2>/dev/null); then
+    if [[ "$(id -u)" != 0 ]]; then
+      rm -rf "$tmp"
+      echo "error: apt-get download prometheus failed; as root, run apt-get update and retry" >&2
+      exit 1
+    fi
+    apt-get update -qq
+    (cd "$tmp" && apt-get download -qq prometheus)
+  fi
+  rm -rf "$PROMETHEUS_DIR"
+  dpkg-deb -x "$tmp"/prometheus_*.deb "$PROMETHEUS_DIR"
+  rm -rf "$tmp"
+  "$PROMETHEUS_DIR/usr/bin/promtool" --version | head -n 1
+}
+
 run_tests() {
   if [[ ! -x "$TEST_VENV/bin/python" ]]; then
     echo "== creating .venv"
@@ -64,6 +97,7 @@ run_tests() {
   fi
   echo "== installing test dependencies (tests/requirements.txt)"
   "$TEST_VENV/bin/python" -m pip install --quiet --requirement "$ROOT/tests/requirements.txt"
+  prometheus_tools
   echo "== building the patched wheel"
   series build
   local wheel

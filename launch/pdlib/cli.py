@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from launch.pdlib import checks, envfiles, rotation, systemd_units
+from launch.pdlib import checks, envfiles, monitoring, rotation, systemd_units
 from launch.pdlib.envfiles import EnvFileError, Redactor
 from launch.pdlib.stack import ROOT, Role, Stack, load_stack
 from launch.pdlib.supervise import SuperviseError, remove_secret, supervisor_for
@@ -374,6 +374,48 @@ def cmd_env_check(args) -> int:
     return 1 if problems else 0
 
 
+def cmd_monitoring(args) -> int:
+    problems, _ = envfiles.check(args.env_dir)
+    if problems:
+        out = Out(Redactor([]))
+        for problem in problems:
+            out(f"FAIL {problem}", err=True)
+        out(f"env check {args.env_dir}: {len(problems)} problem(s)", err=True)
+        out("monitoring: nothing written", err=True)
+        return 2
+    for option in ("scrape_interval", "stuck_after", "held_after", "slack", "down_after"):
+        value = getattr(args, option)
+        if value is not None and value <= 0:
+            print(f"monitoring: --{option.replace('_', '-')} must be positive", file=sys.stderr)
+            return 2
+    out_dir: Path = args.out
+    if out_dir.exists() and not out_dir.is_dir():
+        print(f"monitoring: --out {out_dir}: not a directory", file=sys.stderr)
+        return 2
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not args.force:
+        print(
+            f"monitoring: --out {out_dir} exists and is not empty; --force writes over it",
+            file=sys.stderr,
+        )
+        return 2
+    stack = load_stack(args.env_dir, sim=False)
+    windows = monitoring.windows(
+        stack, args.stuck_after, args.held_after, args.slack, args.down_after
+    )
+    for path in monitoring.render(
+        out_dir, stack, windows, args.scrape_interval, args.env_dir.resolve()
+    ):
+        print(f"wrote {path}")
+    if not windows.inflight_bounded:
+        print(
+            "note: SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT is not set for prefill; "
+            f"PDPrefillKVPinned waits {windows.inflight:g} s"
+        )
+    ok, text = monitoring.promtool_check(out_dir)
+    print(f"promtool check config: {text}" if ok is not None else f"note: {text}")
+    return 1 if ok is False else 0
+
+
 def cmd_env_diff(args) -> int:
     lines = envfiles.diff(args.a, args.b)
     for line in lines:
@@ -538,6 +580,52 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, required=True, help="directory to write the units into")
     p.set_defaults(func=cmd_units)
+
+    p = sub.add_parser(
+        "monitoring",
+        parents=[common],
+        help="render a Prometheus scrape config (file_sd targets per role), alert rules and "
+        "a Grafana dashboard for the stack",
+    )
+    p.add_argument("--out", type=Path, required=True, help="directory to write into")
+    p.add_argument(
+        "--force", action="store_true", help="write into --out even when it is not empty"
+    )
+    p.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=15.0,
+        help="seconds between scrapes and rule evaluations (default: 15)",
+    )
+    p.add_argument(
+        "--stuck-after",
+        type=float,
+        default=120.0,
+        help="seconds the router may hold requests while every engine idles before "
+        "PDRequestsStuckBeforeIdleEngines fires (default: 120)",
+    )
+    p.add_argument(
+        "--held-after",
+        type=float,
+        default=300.0,
+        help="seconds an engine without traffic may still use KV tokens before "
+        "PDTokensHeldAfterTraffic fires (default: 300)",
+    )
+    p.add_argument(
+        "--slack",
+        type=float,
+        default=60.0,
+        help="seconds added to the PD timeouts for the queue alerts; sglang refreshes an idle "
+        "engine's gauges at least every 30 s (default: 60)",
+    )
+    p.add_argument(
+        "--down-after",
+        type=float,
+        help="seconds an instance may fail its scrape before PDInstanceDown fires; also sets "
+        "PDInstanceNotRouted to twice this (default: the role's ROLE_HEALTH_TIMEOUT_S, and "
+        "a rolling restart's longest run for PDInstanceNotRouted)",
+    )
+    p.set_defaults(func=cmd_monitoring)
 
     env = sub.add_parser("env", help="check, diff, snapshot and restore env files")
     env_sub = env.add_subparsers(dest="env_verb", required=True, metavar="ENV_VERB")
