@@ -4,6 +4,9 @@ Counts requests per client connection. After N requests on one connection it eit
 forwarding on that connection (--stall-after: the request is read and then left unanswered while
 the connection stays open) or resets it (--reset-after). New connections start counting from
 zero, so a fresh client is served normally: the failure mode of the reference incident.
+With --only-path the faults apply only to requests whose path starts with one of the given
+prefixes; the others are forwarded and not counted (between a router and an engine: the
+router's health checks and load polls pass while its /generate calls stall).
 """
 
 from __future__ import annotations
@@ -43,11 +46,13 @@ class FaultProxy:
         reset_after: int | None = None,
         delay_ms: float = 0.0,
         log=None,
+        only_paths: tuple[str, ...] = (),
     ):
         self.upstream = upstream.rstrip("/")
         self.stall_after = stall_after
         self.reset_after = reset_after
         self.delay_s = delay_ms / 1000
+        self.only_paths = tuple(only_paths)
         self.log = log or (lambda msg: None)
         self._count: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._client: aiohttp.ClientSession | None = None
@@ -73,6 +78,8 @@ class FaultProxy:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         transport = request.transport
+        if self.only_paths and not request.path.startswith(self.only_paths):
+            return await self._forward(request, await request.read())
         n = self._count.get(transport, 0) + 1
         self._count[transport] = n
         host, port = (transport.get_extra_info("peername") or ("?", "?"))[:2]
@@ -93,6 +100,9 @@ class FaultProxy:
             raise ConnectionResetError("reset injected by bench/proxy")
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
+        return await self._forward(request, body)
+
+    async def _forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         assert self._client is not None
         async with self._client.request(
@@ -160,11 +170,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="delay before forwarding each request (default: 0)",
     )
+    parser.add_argument(
+        "--only-path",
+        metavar="PREFIX",
+        action="append",
+        default=[],
+        help="apply the faults and the delay only to requests whose path starts with PREFIX "
+        "(repeatable); the others are forwarded at once and not counted (default: every path)",
+    )
     args = parser.parse_args(argv)
     if args.delay_ms < 0:
         parser.error("--delay-ms must be >= 0")
     if args.stall_after is not None and args.reset_after is not None:
         parser.error("--stall-after and --reset-after are alternatives; give one")
+    bad = [p for p in args.only_path if not p.startswith("/")]
+    if bad:
+        parser.error(f"--only-path wants a path starting with '/', got {bad[0]!r}")
     return args
 
 
@@ -175,6 +196,7 @@ async def serve(args: argparse.Namespace) -> None:
         args.reset_after,
         args.delay_ms,
         log=lambda msg: print(f"bench/proxy: {msg}", file=sys.stderr, flush=True),
+        only_paths=tuple(args.only_path),
     )
     runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None)
     await runner.setup()

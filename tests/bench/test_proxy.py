@@ -47,6 +47,34 @@ def test_delay_ms_delays_every_request(fake_engine, fault_proxy):
     assert time.perf_counter() - start >= 0.6
 
 
+async def _models_then_chat(url: str, timeout_s: float) -> list[str]:
+    """Two GET /v1/models, then a chat, over one keep-alive connection."""
+    results = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+        for _ in range(2):
+            async with s.get(url + "/v1/models") as resp:
+                results.append(f"models {resp.status}")
+        try:
+            out = await asyncio.wait_for(stream_chat(s, url, _request()), timeout_s)
+            results.append("chat ok" if out.success else "chat error")
+        except TimeoutError:
+            results.append("chat stuck")
+    return results
+
+
+def test_only_path_limits_the_stall_to_the_paths_named(fake_engine, fault_proxy):
+    """--only-path: requests on other paths pass and are not counted (a router's health
+    checks and load polls, between it and an engine), the named ones stall."""
+    engine = fake_engine()
+    stalled = fault_proxy(engine, "--stall-after", "0", "--only-path", "/v1/chat")
+    got = asyncio.run(_models_then_chat(stalled, timeout_s=1.0))
+    assert got == ["models 200", "models 200", "chat stuck"]
+    elsewhere = fault_proxy(engine, "--stall-after", "0", "--only-path", "/generate")
+    assert asyncio.run(_models_then_chat(elsewhere, timeout_s=2.0))[-1] == "chat ok"
+    counted = fault_proxy(engine, "--stall-after", "1", "--only-path", "/v1/chat")
+    assert asyncio.run(_models_then_chat(counted, timeout_s=2.0))[-1] == "chat ok"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -68,6 +96,10 @@ def test_delay_ms_delays_every_request(fake_engine, fault_proxy):
                 "1",
             ],
             "alternatives",
+        ),
+        (
+            ["--listen", "127.0.0.1:1", "--upstream", "http://127.0.0.1:1", "--only-path", "x"],
+            "starting with '/'",
         ),
     ],
 )
