@@ -62,6 +62,7 @@ class Windows:
     inflight: float
     decode_queue: float
     inflight_bounded: bool
+    down_given: bool = False
 
 
 def _max_value(stack: Stack, kind: str, key: str) -> float | None:
@@ -95,6 +96,7 @@ def windows(stack: Stack, stuck: float, held: float, slack: float, down=None) ->
         inflight=(inflight if inflight else UNBOUNDED_INFLIGHT_S) + slack,
         decode_queue=max(waiting or UPSTREAM_WAITING_S, bootstrap or UPSTREAM_BOOTSTRAP_S) + slack,
         inflight_bounded=bool(inflight),
+        down_given=down is not None,
     )
 
 
@@ -175,9 +177,10 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             w.stuck,
             "critical",
             f"Requests held by the router, engines idle. Run: {triage}",
-            "The router has had {{ $value }} request(s) out to its workers for "
-            f"{_d(w.stuck)} while every engine reported nothing running or queued (PD queues "
-            "included) and counted no token, all engines answering their scrapes.",
+            "The router has had {{ $value }} call(s) out to its engines (a PD request makes "
+            f"one to a prefill and one to a decode) for {_d(w.stuck)} while every engine "
+            "reported nothing running or queued (PD queues included) and counted no token, all "
+            "engines answering their scrapes.",
         ),
         _alert(
             "PDPrefillKVPinned",
@@ -248,7 +251,12 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
                 f"A {kind} instance does not answer its scrape. Run: {pd} status {env}; then "
                 f"{pd} logs {{{{ $labels.pd_instance }}}} {env}",
                 "{{ $labels.pd_instance }} ({{ $labels.instance }}) has not answered Prometheus "
-                f"for {_d(w.down[kind])}: longer than launch/pd waits for a {kind} to come up.",
+                f"for {_d(w.down[kind])}: "
+                + (
+                    "monitoring's --down-after."
+                    if w.down_given
+                    else f"longer than launch/pd waits for a {kind} to come up."
+                ),
                 role=kind,
             )
         )
@@ -264,7 +272,12 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
                 f"An engine answers, but the router does not route to it. Run: {probe}",
                 "{{ $labels.pd_instance }} ({{ $labels.worker }}) answers its scrape, and the "
                 "router has not listed it as a healthy worker for "
-                f"{_d(w.unrouted[kind])}: longer than a rolling restart takes.",
+                f"{_d(w.unrouted[kind])}: "
+                + (
+                    "twice monitoring's --down-after."
+                    if w.down_given
+                    else "longer than a rolling restart takes."
+                ),
                 role=kind,
             )
         )

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PD = ROOT / "launch" / "pd"
 sys.path.insert(0, str(ROOT))
 
-from launch.pdlib import envfiles, loads  # noqa: E402
+from launch.pdlib import envfiles, loads, monitoring  # noqa: E402
 from launch.pdlib.promtext import sample_sums  # noqa: E402
 from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
@@ -554,3 +554,89 @@ def kill_decode_mid_stream(stack: Stack, body: dict, kill_after: int, stream_s: 
     assert any('"error"' in e for e in after), after[-3:]
     assert not any('"finish_reason"' in e and '"length"' in e for e in after), after[-3:]
     wait_idle(stack, "prefill")
+
+
+# ---- a real Prometheus on the stack ----------------------------------------------------------
+
+
+class Prometheus:
+    """Debian's Prometheus (./build.sh test unpacks it into build/prometheus) on a free loopback
+    port, with the config, rules and file_sd targets `launch/pd monitoring` renders for the
+    stack; its data in a directory of its own."""
+
+    def __init__(self, stack: Stack, tmp: Path, *monitoring_args: str):
+        self.dir = tmp / "monitoring"
+        done = pd(
+            stack.env_dir, "monitoring", "--out", str(self.dir), *monitoring_args, timeout=120
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        binary = monitoring.tool("prometheus")
+        assert binary, "no prometheus: ./build.sh test unpacks Debian's into build/prometheus"
+        (port,) = free_loopback_ports(1)
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tmp / "prometheus.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [
+                    binary,
+                    f"--config.file={self.dir / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={tmp / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            wait_for(self.ready, 60, "prometheus ready", lambda: self.log.read_text()[-2000:])
+        except AssertionError:
+            self.stop()
+            raise
+
+    def ready(self) -> bool:
+        assert self.proc.poll() is None, self.log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(self.url + "/-/ready", timeout=5) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def api(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + "/api/v1/" + path, timeout=10) as resp:
+            return json.loads(resp.read())["data"]
+
+    def alerts(self, name: str, **labels: str) -> list[dict]:
+        """The pending and firing alerts of that name whose labels include these."""
+        return [
+            a
+            for a in self.api("alerts")["alerts"]
+            if a["labels"]["alertname"] == name
+            and all(a["labels"].get(k) == v for k, v in labels.items())
+        ]
+
+    def firing(self, name: str, **labels: str) -> list[dict]:
+        return [a for a in self.alerts(name, **labels) if a["state"] == "firing"]
+
+    def wait_firing(self, name: str, timeout_s: float, **labels: str) -> dict:
+        wait_for(
+            lambda: self.firing(name, **labels),
+            timeout_s,
+            f"alert {name} {labels} firing",
+            lambda: [(a["labels"]["alertname"], a["state"]) for a in self.api("alerts")["alerts"]],
+        )
+        return self.firing(name, **labels)[0]
+
+    def wait_resolved(self, name: str, timeout_s: float, **labels: str) -> None:
+        wait_for(
+            lambda: not self.alerts(name, **labels),
+            timeout_s,
+            f"alert {name} {labels} resolved",
+            lambda: self.alerts(name, **labels),
+        )
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)

@@ -11,10 +11,12 @@ after the smoke tests, and the last ones restart and stop the stack.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -23,21 +25,25 @@ import urllib.request
 
 import psutil
 import pytest
+import yaml
 from engine_harness import (
     ROOT,
+    Prometheus,
     decode_frozen_after_bootstrap,
     kill_decode_mid_stream,
     multiround,
     pd,
     prefill_frozen,
+    ready,
     serves_a_fresh_request,
     start_fault_stack,
     stop_stack,
     wait_for,
     wait_idle,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
-from launch.pdlib import envfiles
+from launch.pdlib import envfiles, loads, monitoring
 from launch.pdlib.stack import free_loopback_ports
 
 # Seconds decode waits for a room's KV, and prefill for its KV sender, in the test copy.
@@ -77,6 +83,25 @@ def cpu_stack(tmp_path_factory):
     )
     yield stack
     stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
+def prometheus(cpu_stack, tmp_path_factory):
+    """A real Prometheus on the stack, with what `launch/pd monitoring` renders for it: every
+    target scraped and every rule evaluated each second, an instance down after 3 s, requests
+    stuck before idle engines after 5 s (the defaults are minutes)."""
+    prom = Prometheus(
+        cpu_stack,
+        tmp_path_factory.mktemp("prometheus"),
+        *("--scrape-interval", "1", "--down-after", "3", "--stuck-after", "5"),
+    )
+    yield prom
+    prom.stop()
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_the_api_key_is_on_no_command_line_and_in_private_files_only(cpu_stack):
@@ -174,6 +199,52 @@ def test_multiround_4x6_through_the_router(cpu_stack):
     assert "24/24 rounds ok" in done.stdout
 
 
+def test_monitoring_reads_only_names_the_live_stack_exports(cpu_stack, prometheus, tmp_path):
+    """Every metric name in the rendered rules and dashboard is in a live scrape of the real
+    engines and smg (after one request), or in what `launch/pd verify --textfile` writes; and
+    the real Prometheus scrapes every target and evaluates every rule without an error."""
+    serves_a_fresh_request(cpu_stack)
+    textfile = tmp_path / "sm120pd_verify.prom"
+    done = pd(cpu_stack.env_dir, "verify", "--textfile", str(textfile), timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    prom_port = envfiles.EnvDir(cpu_stack.env_dir).common()["ROUTER_PROMETHEUS_PORT"]
+    texts = [textfile.read_text()]
+    for url in (cpu_stack.url["prefill"], cpu_stack.url["decode"], f"http://127.0.0.1:{prom_port}"):
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+            texts.append(resp.read().decode())
+    scraped = {
+        sample.name
+        for text in texts
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    used: dict[str, set[str]] = {}
+    rules = yaml.safe_load((prometheus.dir / "rules.yml").read_text())["groups"][0]["rules"]
+    for rule in rules:
+        used[rule["alert"]] = monitoring.metric_names(rule["expr"])
+    board = json.loads((prometheus.dir / "dashboard.json").read_text())
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            used[panel["title"]] = used.get(panel["title"], set()) | monitoring.metric_names(
+                target["expr"]
+            )
+    assert all(used.values()), used
+    missing = {where: names - scraped - {"up"} for where, names in used.items()}
+    assert not any(missing.values()), {k: v for k, v in missing.items() if v}
+    wait_for(
+        lambda: {t["health"] for t in prometheus.api("targets")["activeTargets"]} == {"up"},
+        30,
+        "every target up",
+        lambda: [
+            (t["labels"]["job"], t["lastError"]) for t in prometheus.api("targets")["activeTargets"]
+        ],
+    )
+    assert len(prometheus.api("targets")["activeTargets"]) == 3
+    evaluated = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
+    assert len(evaluated) == len(rules)
+    assert {(r["health"], r.get("lastError", "")) for r in evaluated} == {("ok", "")}
+
+
 def test_prefill_frozen_decode_fails_the_room_after_its_waiting_timeout(cpu_stack):
     """Decode bootstraps the room and waits for KV that never comes (prefill's scheduler is
     stopped): it fails the request after SGLANG_DISAGGREGATION_WAITING_TIMEOUT and frees it."""
@@ -186,12 +257,12 @@ def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(
     decode_frozen_after_bootstrap(cpu_stack)
 
 
-def test_decode_wholly_frozen_triage_and_probe_name_it_unresponsive(cpu_stack):
+def test_decode_wholly_frozen_triage_and_probe_name_it_unresponsive(cpu_stack, prometheus):
     """Decode's whole process group stopped (its HTTP server too) while a client runs
     bench/multiround through the router: the triage that the missed deadline runs, and
     launch/pd probe, name decode as the engine that did not answer, prefill as answering, and
-    say how the router lists decode. Thawed, the room fails through the PD timeouts and the
-    stack serves again."""
+    say how the router lists decode; Prometheus fires PDInstanceDown for decode. Thawed, the
+    alert resolves, the room fails through the PD timeouts and the stack serves again."""
     group = cpu_stack.pid("decode")
     deadline_s = 5
     os.killpg(group, signal.SIGSTOP)
@@ -203,8 +274,17 @@ def test_decode_wholly_frozen_triage_and_probe_name_it_unresponsive(cpu_stack):
             timeout=120,
         )
         probe = pd(cpu_stack.env_dir, "probe", "--probe-timeout", "10", timeout=120)
+        down = prometheus.wait_firing("PDInstanceDown", 30, pd_instance="decode")
     finally:
         os.killpg(group, signal.SIGCONT)
+    print("alert:", json.dumps(down, indent=1))
+    assert down["labels"]["severity"] == "critical" and down["labels"]["pd_role"] == "decode"
+    assert (
+        f"launch/pd status --env-dir {cpu_stack.env_dir.resolve()}"
+        in down["annotations"]["summary"]
+    )
+    assert not prometheus.alerts("PDInstanceDown", pd_instance="prefill")
+    prometheus.wait_resolved("PDInstanceDown", 30, pd_instance="decode")
     out = client.stdout
     print(out, probe.stdout, sep="\n")
     assert client.returncode == 1, out + client.stderr
@@ -223,6 +303,67 @@ def test_decode_wholly_frozen_triage_and_probe_name_it_unresponsive(cpu_stack):
     assert cpu_stack.key not in out + probe.stdout
     wait_idle(cpu_stack, "prefill", timeout_s=INFLIGHT_TIMEOUT_S + 30)
     wait_idle(cpu_stack, "decode", timeout_s=WAITING_TIMEOUT_S + 30)
+    serves_a_fresh_request(cpu_stack)
+
+
+def test_requests_held_through_a_stalled_proxy_before_idle_engines_fire_the_alert(
+    cpu_stack, prometheus
+):
+    """The router's calls to both engines go through bench/proxy, which passes its health checks
+    and load polls and stalls every /generate: the router holds the client's request while
+    neither engine has it. PDRequestsStuckBeforeIdleEngines fires; when the client gives up, the
+    router lets go and the alert resolves. The router is then pointed at the engines again."""
+    ready(cpu_stack)
+    ports = free_loopback_ports(2)
+    proxies = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "bench" / "proxy"),
+                *("--listen", f"127.0.0.1:{port}", "--upstream", cpu_stack.url[role]),
+                *("--stall-after", "0", "--only-path", "/generate"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for role, port in zip(("prefill", "decode"), ports, strict=True)
+    ]
+    router_env = cpu_stack.env_dir / "router.env"
+    before = router_env.read_text()
+    client = http.client.HTTPConnection("127.0.0.1", int(cpu_stack.url["router"].rsplit(":", 1)[1]))
+    try:
+        for port in ports:
+            wait_for(lambda port=port: port_open(port), 30, f"bench/proxy on {port}")
+        # The router's worker URLs only: the engines stay where they are.
+        envfiles.set_values(
+            router_env, {"PREFILL_PORT": str(ports[0]), "DECODE_PORT": str(ports[1])}
+        )
+        moved = pd(cpu_stack.env_dir, "restart", "router", timeout=120)
+        assert moved.returncode == 0, moved.stdout + moved.stderr
+        headers = {"content-type": "application/json", "authorization": f"Bearer {cpu_stack.key}"}
+        client.request("POST", "/generate", json.dumps(cpu_stack.body), headers)
+        stuck = prometheus.wait_firing("PDRequestsStuckBeforeIdleEngines", 60)
+        print("alert:", json.dumps(stuck, indent=1))
+        assert stuck["labels"]["severity"] == "critical"
+        assert stuck["annotations"]["summary"].endswith(
+            f"bench/triage --env-dir {cpu_stack.env_dir.resolve()}"
+        )
+        # Neither engine ever had the request: each holds nothing, by its own snapshot.
+        assert not loads.held(cpu_stack.loads("prefill"))
+        assert not loads.held(cpu_stack.loads("decode"))
+        client.close()
+        prometheus.wait_resolved("PDRequestsStuckBeforeIdleEngines", 30)
+    finally:
+        client.close()
+        router_env.write_text(before)
+        back = pd(cpu_stack.env_dir, "restart", "router", timeout=120)
+        for proxy in proxies:
+            proxy.terminate()
+        stalls = [proxy.communicate(timeout=30)[1] for proxy in proxies]
+    assert back.returncode == 0, back.stdout + back.stderr
+    for log in stalls:
+        assert "stall: request 1 on connection from" in log and "(/generate)" in log, log
     serves_a_fresh_request(cpu_stack)
 
 

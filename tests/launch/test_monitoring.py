@@ -482,3 +482,47 @@ def test_every_alert_fires_on_its_failing_series_and_not_on_healthy_ones(rendere
     done = promtool("test", "rules", str(path))
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
     assert "SUCCESS" in done.stdout
+
+
+def test_the_dashboard_is_whole_and_every_panel_queries_through_the_datasource_variable(
+    rendered: Path,
+):
+    """Structure only (Grafana is not needed): a prometheus datasource variable that every
+    panel and query uses, unique panel ids, panels on the 24-column grid without overlap, each
+    query with a refId and a metric name (tests/engine checks those names against a live
+    scrape)."""
+    board = json.loads((rendered / "dashboard.json").read_text())
+    assert board["title"] == "PD stack sm120pd-cpu" and board["uid"] == "pd-sm120pd-cpu"
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    source = {"type": "prometheus", "uid": "${datasource}"}
+    assert variables["pd_instance"]["datasource"] == source
+    assert "pd_instance" in variables["pd_instance"]["definition"]
+    panels = board["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    rows = [p for p in panels if p["type"] == "row"]
+    assert [r["title"] for r in rows] == ["Router", "Engines", "PD queues", "Targets and verify"]
+    cells = set()
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, panel["title"]
+        here = {
+            (grid["x"] + dx, grid["y"] + dy) for dx in range(grid["w"]) for dy in range(grid["h"])
+        }
+        assert not cells & here, f"{panel['title']} overlaps another panel"
+        cells |= here
+        if panel["type"] == "row":
+            continue
+        assert panel["type"] == "timeseries" and panel["datasource"] == source, panel["title"]
+        assert panel["targets"], panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(refs) == len(set(refs)), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == source
+            assert monitoring.metric_names(target["expr"]), target["expr"]
+    engine_panels = [p for p in panels if any("sglang:" in t["expr"] for t in p.get("targets", []))]
+    for panel in engine_panels:
+        for target in panel["targets"]:
+            assert 'pd_instance=~"$pd_instance"' in target["expr"], target["expr"]
