@@ -40,7 +40,6 @@ UPSTREAM_BOOTSTRAP_S = 300.0
 # Without SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT patch 0003 is off: a room may sit in prefill's
 # inflight queue for as long as its transfer takes. The alert then waits this long.
 UNBOUNDED_INFLIGHT_S = 600.0
-FILES = ("prometheus.yml", "rules.yml", "dashboard.json", "targets")
 METRIC_RE = re.compile(r"\b(sglang:[a-z0-9_:]+|smg_[a-z0-9_]+|sm120pd_[a-z0-9_]+|up)\b")
 
 

@@ -526,3 +526,27 @@ def test_the_dashboard_is_whole_and_every_panel_queries_through_the_datasource_v
     for panel in engine_panels:
         for target in panel["targets"]:
             assert 'pd_instance=~"$pd_instance"' in target["expr"], target["expr"]
+
+
+def test_without_an_inflight_timeout_the_pinned_alert_says_nothing_bounds_the_room(tmp_path):
+    env = tmp_path / "env"
+    shutil.copytree(ROOT / "env" / "cpu", env)
+    prefill = env / "prefill.env"
+    prefill.write_text(
+        "".join(
+            line
+            for line in prefill.read_text().splitlines(keepends=True)
+            if not line.startswith("SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT=")
+        )
+    )
+    out = tmp_path / "out"
+    done = run_pd("monitoring", "--env-dir", str(env), "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    window = monitoring.UNBOUNDED_INFLIGHT_S + 60
+    assert (
+        "note: SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT is not set for prefill; "
+        f"PDPrefillKVPinned waits {window:g} s"
+    ) in done.stdout
+    (pinned,) = [r for r in rules_of(out) if r["alert"] == "PDPrefillKVPinned"]
+    assert seconds(pinned["for"]) == window
+    assert "is not set in the env files, so nothing bounds such a room" in str(pinned)
