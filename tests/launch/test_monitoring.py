@@ -222,6 +222,13 @@ def case(name: str, inputs: list[dict], alert: str, at_s: int, fired: list[dict]
     }
 
 
+def span(rule: dict) -> tuple[int, int, int]:
+    """A rule's wait, the steps of series three times that long, and a time to look at the
+    alert: twice the wait and a minute (a window and a `for:` of that length both passed)."""
+    wait = seconds(rule["for"])
+    return wait, (3 * wait) // STEP_S, 2 * wait + 60
+
+
 def rule_cases(rules: list[dict]) -> list[dict]:
     by = {(r["alert"], r["labels"].get("pd_role")): r for r in rules}
     cases = []
@@ -283,9 +290,7 @@ def rule_cases(rules: list[dict]) -> list[dict]:
 
     # KV pinned in prefill's inflight queue.
     pinned = by[("PDPrefillKVPinned", None)]
-    wait = seconds(pinned["for"])
-    steps = (3 * wait) // STEP_S
-    at = 2 * wait + 60
+    wait, steps, at = span(pinned)
     inflight = "sglang:num_prefill_inflight_queue_reqs"
     done = "sglang:kv_transfer_latency_ms_count"
     cases.append(
@@ -322,9 +327,7 @@ def rule_cases(rules: list[dict]) -> list[dict]:
     # Decode's transfer and prealloc queues.
     for queue in ("transfer", "prealloc"):
         rule = by[(f"PDDecode{queue.capitalize()}QueueStuck", None)]
-        wait = seconds(rule["for"])
-        steps = (3 * wait) // STEP_S
-        at = 2 * wait + 60
+        wait, steps, at = span(rule)
         gauge = f"sglang:num_decode_{queue}_queue_reqs"
         tokens = "sglang:generation_tokens_total"
         cases.append(
@@ -358,9 +361,7 @@ def rule_cases(rules: list[dict]) -> list[dict]:
 
     # Tokens still used after the traffic stopped.
     rule = by[("PDTokensHeldAfterTraffic", None)]
-    wait = seconds(rule["for"])
-    steps = (3 * wait) // STEP_S
-    at = 2 * wait + 60
+    wait, steps, at = span(rule)
     rest = [
         s
         for s in engines_at_rest(steps)
