@@ -110,7 +110,7 @@ run_tests() {
   echo "== ruff format --check"
   "$TEST_VENV/bin/ruff" format --check .
   echo "== shellcheck"
-  "$TEST_VENV/bin/shellcheck" --external-sources build.sh .ci/run launch/pd launch/*.sh bench/kernel bench/kernel_audit bench/gpu_session
+  "$TEST_VENV/bin/shellcheck" --external-sources build.sh .ci/run launch/pd launch/*.sh bench/kernel/microbench bench/kernel/audit bench/kernel/gpu_session
   echo "== pytest"
   "$TEST_VENV/bin/python" -m pytest "$@"
 }

@@ -3,8 +3,9 @@
 
 For each target (a virtual device: architecture, SM count and CUDA's per-architecture limits)
 and each DSV4 decode shape, runs our real launcher ``flash_mla_sparse_decode_mma`` on CPU tensors
-while Triton's JIT compiles for that target (bench/lib/virtual_gpu.py). Nothing executes; Triton
-specializes, compiles and checks resources as it would on the GPU, and the launches are recorded.
+while Triton's JIT compiles for that target (bench/kernel/lib/virtual_gpu.py). Nothing executes;
+Triton specializes, compiles and checks resources as it would on the GPU, and the launches are
+recorded.
 
 Per compiled kernel it reports shared memory against the per-block limit, registers, local
 memory and spill instructions, resident CTAs per SM (from registers, shared memory and threads)
@@ -31,11 +32,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.kernel_microbench import _int_list  # noqa: E402
+from bench.kernel.microbench import _int_list  # noqa: E402
 
 _KERNEL_PACKAGE = "sglang.kernels.ops.attention"
 # --targets name of the GPU this process runs on (its launches run for real, recorded).
@@ -94,6 +95,7 @@ def _on_off(text: str) -> list[bool]:
 
 def parse_args(argv, targets):
     p = argparse.ArgumentParser(
+        prog="bench/kernel/audit",
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -159,12 +161,12 @@ def parse_args(argv, targets):
     p.add_argument(
         "--kit",
         type=Path,
-        help="import the kernel from this GPU kit (bench/gpu_session --prepare) instead of the "
-        "installed sglang (default: none)",
+        help="import the kernel from this GPU kit (bench/kernel/gpu_session --prepare) instead "
+        "of the installed sglang (default: none)",
     )
     args = p.parse_args(argv)
     if args.kit is not None:
-        from bench.lib.gpu_kit import activate
+        from bench.kernel.lib.gpu_kit import activate
 
         try:
             activate(args.kit)
@@ -294,13 +296,13 @@ def audit_target(
     os.environ["SGLANG_SM120_MMA_TARGET_CTAS"] = target_ctas
     os.environ.pop("TRITON_INTERPRET", None)
     if kit:
-        from bench.lib.gpu_kit import activate
+        from bench.kernel.lib.gpu_kit import activate
 
         activate(Path(kit))
     import torch
     from triton.runtime.errors import OutOfResources
 
-    from bench.lib.virtual_gpu import (
+    from bench.kernel.lib.virtual_gpu import (
         TARGETS,
         VirtualTarget,
         kernel_resources,
@@ -547,7 +549,7 @@ def _shape_of(record: dict) -> Shape:
 
 
 def main(argv=None) -> int:
-    from bench.lib.virtual_gpu import TARGETS
+    from bench.kernel.lib.virtual_gpu import TARGETS
 
     args = parse_args(argv, TARGETS)
     shapes = [
@@ -595,7 +597,7 @@ def main(argv=None) -> int:
     if args.json:
         doc = {
             "command": " ".join(
-                ["bench/kernel_audit", *(argv if argv is not None else sys.argv[1:])]
+                ["bench/kernel/audit", *(argv if argv is not None else sys.argv[1:])]
             ),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "wall_s": round(wall, 1),

@@ -1,23 +1,23 @@
 #!/usr/bin/env python3
 """One prepared call that runs every GPU check and benchmark of the decode kernel on a lent GPU.
 
-  bench/gpu_session --prepare     build the kit (build/gpu-kit) and print the exact run command
-  bench/gpu_session --out DIR     on the GPU: the whole session, results in DIR (default $OUT)
-  bench/gpu_session --rehearse    the same sequence on CPU, in a venv with the device's versions
+  bench/kernel/gpu_session --prepare   build the kit (build/gpu-kit), print the exact run command
+  bench/kernel/gpu_session --out DIR   on the GPU: the whole session, results in DIR (default $OUT)
+  bench/kernel/gpu_session --rehearse  the same sequence on CPU, in a venv of the device's versions
 
 The session, each part in a process of its own with a time budget (a part that no longer fits
 is skipped and says so; elapsed time is printed per part):
   1. correctness   tests/kernel/gpu_check.py compare (every case, every TARGET_CTAS value) and
                    graph (CUDA graph capture and replay equal to eager)
   2. bandwidth     device-to-device copy bandwidth
-  3. audit         bench/kernel_audit on the real device (launches recorded) and on the virtual
+  3. audit         bench/kernel/audit on the real device (launches recorded) and on the virtual
                    H200; registers, shared memory and CTAs per SM compared shape by shape: a
                    mismatch means the virtual audit is wrong somewhere
-  4. bench         bench/kernel over its default grid with --padded-heads (copy bandwidth
+  4. bench         bench/kernel/microbench over its default grid with --padded-heads (copy bandwidth
                    measured again in that run)
 
 The GPU machine has torch and triton but not sglang's dependencies, and no registry: the kernel
-comes from the kit (bench/lib/gpu_kit.py), the kernel and upstream's SM120 dispatch extracted
+comes from the kit (bench/kernel/lib/gpu_kit.py), the kernel and upstream's SM120 dispatch extracted
 from our patched wheel and imported without sglang's package chain. Output: gpu_session.json
 and kernel.png in --out. Exit status: 0; 1 when a correctness check fails; 3 when the real and
 virtual audits disagree (and none failed); 2 on bad arguments.
@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -56,6 +56,7 @@ QUICK_AUDIT = ["--heads", "16,64", "--batch", "1,64", "--extra", "none,c4-512", 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(
+        prog="bench/kernel/gpu_session",
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -129,7 +130,7 @@ def _series_wheel() -> tuple[Path, str]:
 
 
 def prepare(kit: Path) -> int:
-    from bench.lib.gpu_kit import build_kit, kit_bytes
+    from bench.kernel.lib.gpu_kit import build_kit, kit_bytes
 
     wheel, label = _series_wheel()
     kit = kit if kit.is_absolute() else ROOT / kit
@@ -144,7 +145,7 @@ def prepare(kit: Path) -> int:
         "\nRun it on the lent GPU in one call (the working tree travels; the kit is ignored by "
         "git, so carry it):\n"
         f"  carry:     {json.dumps([rel])}\n"
-        f'  command:   python3 bench/gpu_session.py --kit {rel} --out "$OUT"\n'
+        f'  command:   python3 bench/kernel/gpu_session.py --kit {rel} --out "$OUT"\n'
         f"  timeout_s: {RUN_TIMEOUT_S}\n"
         f"The session keeps within {DEFAULT_BUDGET_S} s; the timeout leaves room for start-up."
     )
@@ -156,7 +157,7 @@ def prepare(kit: Path) -> int:
 
 def child_correctness(args) -> dict:
     """gpu_check's compare and graph checks (compare only, interpreted, with --cpu)."""
-    from bench.lib.gpu_kit import activate
+    from bench.kernel.lib.gpu_kit import activate
 
     activate(args.kit)
     sys.path.insert(0, str(ROOT / "tests" / "kernel"))
@@ -189,7 +190,7 @@ def _capture(lines: list, fn, *args) -> None:
 def child_bandwidth(_args) -> dict:
     import torch
 
-    from bench.kernel_microbench import copy_bandwidth_gbps
+    from bench.kernel.microbench import copy_bandwidth_gbps
 
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -304,7 +305,7 @@ def session(args, python: str, rehearsal: bool) -> int:
     out = args.out or ROOT / "bench" / "results" / time.strftime("gpu-session-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     s = Session(args, python, rehearsal)
-    from bench.lib.gpu_kit import activate
+    from bench.kernel.lib.gpu_kit import activate
 
     manifest = activate(args.kit)
     import torch
@@ -343,7 +344,7 @@ def session(args, python: str, rehearsal: bool) -> int:
     per_audit = PART_BUDGETS["audit"] / len(targets)
     for target in targets:
         path = s.tmp / f"audit-{target}.json"
-        cmd = [python, str(ROOT / "bench" / "kernel_audit.py"), "--kit", str(args.kit)]
+        cmd = [python, str(ROOT / "bench" / "kernel" / "audit.py"), "--kit", str(args.kit)]
         cmd += ["--targets", target, "--json", str(path), *audit_args]
         part = s.run(f"audit {target}", cmd, per_audit)
         if path.exists():
@@ -362,7 +363,7 @@ def session(args, python: str, rehearsal: bool) -> int:
     else:
         bench_json, plot = s.tmp / "kernel.json", out / "kernel.png"
         budget = s.remaining() - 10
-        cmd = [python, str(ROOT / "bench" / "kernel_microbench.py"), "--kit", str(args.kit)]
+        cmd = [python, str(ROOT / "bench" / "kernel" / "microbench.py"), "--kit", str(args.kit)]
         cmd += ["--padded-heads", "--json", str(bench_json), "--plot", str(plot)]
         cmd += ["--time-budget-s", str(max(budget - 60, 10))]
         s.run("bench", cmd, budget)
@@ -451,7 +452,7 @@ def main(argv=None) -> int:
         return prepare(args.kit)
     args.kit = args.kit if args.kit.is_absolute() else ROOT / args.kit
     if not (args.kit / "kit_manifest.json").is_file():
-        sys.exit(f"gpu_session: no kit at {args.kit}; run bench/gpu_session --prepare first")
+        sys.exit(f"gpu_session: no kit at {args.kit}; run bench/kernel/gpu_session --prepare first")
     if args.rehearse:
         python = rehearsal_python(args)
         if Path(python).resolve() != Path(sys.executable).resolve():

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def _int_list(text: str, minimum: int = 1) -> list[int]:
@@ -47,7 +48,9 @@ def _targets(text: str) -> list[str]:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__)
+    p = argparse.ArgumentParser(
+        prog="bench/kernel/microbench", description=__doc__.split("\n\n")[0], epilog=__doc__
+    )
     # String defaults go through `type` like typed ones, and --help shows them as typed.
     p.add_argument(
         "--batch",
@@ -104,8 +107,8 @@ def parse_args(argv):
     )
     p.add_argument(
         "--kit",
-        help="import the kernel from this GPU kit (bench/gpu_session --prepare) instead of the "
-        "installed sglang (default: none)",
+        help="import the kernel from this GPU kit (bench/kernel/gpu_session --prepare) instead "
+        "of the installed sglang (default: none)",
     )
     p.add_argument(
         "--json", help="write all results to this JSON file (default: none, stdout only)"
@@ -209,8 +212,8 @@ def main(argv=None) -> int:
         sys.exit("kernel_microbench: needs a CUDA device (none is visible); nothing was run")
     os.environ["SGLANG_SM120_FLASHMLA_BACKEND"] = "mma"
     if args.kit:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from bench.lib.gpu_kit import activate
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from bench.kernel.lib.gpu_kit import activate
 
         activate(args.kit)
     try:

@@ -1,5 +1,5 @@
-"""bench/gpu_session: the kit, its import path without sglang's dependencies, and the session's
-sequence rehearsed on CPU (the GPU parts themselves run only on a lent GPU)."""
+"""bench/kernel/gpu_session: the kit, its import path without sglang's dependencies, and the
+session's sequence rehearsed on CPU (the GPU parts themselves run only on a lent GPU)."""
 
 import json
 import os
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SESSION = ROOT / "bench" / "gpu_session.py"
+SESSION = ROOT / "bench" / "kernel" / "gpu_session.py"
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_session import _compare_audits  # noqa: E402
+from bench.kernel.gpu_session import _compare_audits  # noqa: E402
 
 
 def _run(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
@@ -57,7 +57,7 @@ import os, sys
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 from pathlib import Path
-from bench.lib.gpu_kit import activate
+from bench.kernel.lib.gpu_kit import activate
 activate(Path({kit!r}))
 os.environ["SGLANG_SM120_FLASHMLA_BACKEND"] = "mma"
 from sglang.kernels.ops.attention import flash_mla_sm120 as d
@@ -86,7 +86,7 @@ def test_kit_refuses_to_mix_with_an_imported_sglang(kit):
     path, _ = kit
     code = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); import sglang.srt.environ\n"
-        f"from bench.lib.gpu_kit import activate; from pathlib import Path\n"
+        f"from bench.kernel.lib.gpu_kit import activate; from pathlib import Path\n"
         f"activate(Path({str(path)!r}))"
     )
     done = _run("-c", code)

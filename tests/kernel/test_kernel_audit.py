@@ -1,4 +1,4 @@
-"""bench/kernel_audit: the mma kernel compiled for every target GPU, checked without a GPU.
+"""bench/kernel/audit: the mma kernel compiled for every target GPU, checked without a GPU.
 
 The audit runs in a process of its own: it compiles (Triton's JIT for virtual devices), while
 this test process runs Triton in interpreter mode (see conftest.py).
@@ -15,7 +15,7 @@ from sglang.kernels.ops.attention import sm120_mma_fit as fit
 from sglang.kernels.ops.attention.sm120_mma_splits import split_count_for
 
 ROOT = Path(__file__).resolve().parents[2]
-AUDIT = ROOT / "bench" / "kernel_audit.py"
+AUDIT = ROOT / "bench" / "kernel" / "audit.py"
 STAGE1 = "_sparse_decode_split_kernel"
 SM12X = ("rtx-pro-6000", "rtx-5090", "dgx-spark")
 KEY_SHAPE = ["--heads", "16", "--batch", "64", "--extra", "c4-512", "--sink", "on"]

@@ -25,7 +25,7 @@ from sglang.kernels.ops.attention import sm120_mma_fit as fit
 from sglang.kernels.ops.attention import sm120_mma_splits as splits
 from sglang.kernels.ops.attention.sm120_mma_splits import ENV_NAME
 
-from bench.lib.virtual_gpu import TARGETS, virtual_device
+from bench.kernel.lib.virtual_gpu import TARGETS, virtual_device
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -195,9 +195,9 @@ def test_attention_forward_hands_the_backend_native_heads(sm120, monkeypatch):
 
 @pytest.mark.parametrize("native", [8, 16, 32])
 def test_bench_padded_heads_pads_as_upstream_does(sm120, native):
-    """bench/kernel --padded-heads times the call upstream made: its width is what the real
-    _kernel_num_heads gives a backend without native heads, and its real rows are ours."""
-    from bench.kernel_microbench import padded_inputs
+    """bench/kernel/microbench --padded-heads times the call upstream made: its width is what the
+    real _kernel_num_heads gives a backend without native heads, and its real rows are ours."""
+    from bench.kernel.microbench import padded_inputs
 
     sm120("triton")
     width = _attention(native * 4, 4)._kernel_num_heads(DECODE_TOKENS)

@@ -30,7 +30,7 @@ from triton.backends.nvidia.driver import ty_to_cpp
 
 def limits_for_arch(arch: int):
     """CUDA's per-architecture limits, from the kernel's own fit module (imported late, so a
-    GPU kit can be activated first; see bench/lib/gpu_kit.py)."""
+    GPU kit can be activated first; see bench/kernel/lib/gpu_kit.py)."""
     from sglang.kernels.ops.attention.sm120_mma_fit import limits_for_arch as limits
 
     return limits(arch)

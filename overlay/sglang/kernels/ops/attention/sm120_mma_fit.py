@@ -1,7 +1,7 @@
 """How the SM120 MMA sparse-decode kernel fits a GPU: per-architecture limits, the launch
 configuration for a device, and resident CTAs per SM of a compiled kernel.
 
-Standard library only, so the audit (``bench/kernel_audit``) and the tests can use it without a
+Standard library only, so the audit (``bench/kernel/audit``) and the tests can use it without a
 GPU. The limits are CUDA's "Technical Specifications per Compute Capability" table (CUDA C++
 Programming Guide; the same values are in libcu++'s ``cuda/__device/arch_traits.h``): shared
 memory per SM and the 1 KiB the runtime reserves per block, resident threads and blocks per SM,
@@ -121,7 +121,7 @@ class LaunchConfig:
 # Stage 1 keeps the query block and the dequantized KV tile in shared memory as bf16 MMA
 # operands: the query block once, the tile twice (Triton lays it out once as K^T for the scores
 # and once as V for P.V). Compiled by Triton 3.8 for sm_90, sm_120 and sm_121, stage 1's shared
-# memory is exactly this (bench/kernel_audit prints the compiled figure).
+# memory is exactly this (bench/kernel/audit prints the compiled figure).
 _HEAD_DIM = 512
 _BF16 = 2
 
