@@ -29,9 +29,9 @@ MIN_TOKENS_PER_SPLIT = 64
 
 # Cost model of the automatic choice, in units of "one CTA gathers one KV token" (the tile size
 # differs per device, so costs are counted in tokens). Calibrate these with
-# bench/kernel/microbench against fixed TARGET_CTAS values on the target GPU. The resident CTAs per SM are not a constant here:
-# the launcher reads them from the compiled kernel on the device (registers, shared memory,
-# warps; see sm120_mma_fit.occupancy).
+# bench/kernel/microbench against fixed TARGET_CTAS values on the target GPU. The resident CTAs
+# per SM are not a constant here: the launcher reads them from the compiled kernel on the device
+# (registers, shared memory, warps; see sm120_mma_fit.occupancy).
 # Per-CTA cost besides its tokens: launch ramp and the query block load.
 CTA_OVERHEAD_TOKENS = 32
 # Extra per-CTA cost once there is more than one split: a 16-head x 512 fp32 partial is
