@@ -85,6 +85,7 @@ prometheus_tools() {
     (cd "$tmp" && apt-get download -qq prometheus)
   fi
   rm -rf "$PROMETHEUS_DIR"
+  mkdir -p "$PROMETHEUS_DIR"
   dpkg-deb -x "$tmp"/prometheus_*.deb "$PROMETHEUS_DIR"
   rm -rf "$tmp"
   "$PROMETHEUS_DIR/usr/bin/promtool" --version | head -n 1
