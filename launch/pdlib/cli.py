@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from launch.pdlib import checks, envfiles, monitoring, rotation, systemd_units
+from launch.pdlib import checks, envcheck, envfiles, monitoring, rotation, systemd_units
 from launch.pdlib.envfiles import EnvFileError, Redactor
 from launch.pdlib.stack import ROOT, Role, Stack, load_stack
 from launch.pdlib.supervise import SuperviseError, remove_secret, supervisor_for
@@ -361,7 +361,7 @@ def cmd_metrics(args) -> int:
 
 
 def cmd_env_check(args) -> int:
-    problems, notes = envfiles.check(args.env_dir)
+    problems, notes = envcheck.check(args.env_dir)
     try:
         out = Out(envfiles.EnvDir(args.env_dir).redactor())
     except EnvFileError:
@@ -375,7 +375,7 @@ def cmd_env_check(args) -> int:
 
 
 def cmd_monitoring(args) -> int:
-    problems, _ = envfiles.check(args.env_dir)
+    problems, _ = envcheck.check(args.env_dir)
     if problems:
         out = Out(Redactor([]))
         for problem in problems:

@@ -269,56 +269,6 @@ def registered_sglang_names() -> tuple[set[str], str]:
     return known, f"registry of the installed sglang ({len(names)} names)"
 
 
-def _close_names(name: str, known: set[str]) -> list[str]:
-    import difflib
-
-    return difflib.get_close_matches(name, sorted(known), n=2, cutoff=0.85)
-
-
-def check(env_dir: Path) -> tuple[list[str], list[str]]:
-    """(problems, notes). Problems make `env check` fail."""
-    problems: list[str] = []
-    notes: list[str] = []
-    present = []
-    for name in FILES + instance_files(env_dir):
-        path = Path(env_dir) / name
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-            continue
-        try:
-            present.append(parse_file(path))
-        except EnvFileError as exc:
-            problems.append(str(exc))
-    known, source = registered_sglang_names()
-    notes.append(f"SGLANG_* names checked against the {source}")
-    for lines in present:
-        seen: dict[str, int] = {}
-        for line in lines:
-            where = f"{line.path}:{line.number}"
-            if line.key in seen:
-                problems.append(f"{where}: {line.key} set again (first on line {seen[line.key]})")
-            seen[line.key] = line.number
-            if line.key.startswith(("SGLANG_", "SGL_")) and line.key not in known:
-                hint = _close_names(line.key, known)
-                extra = f"; did you mean {' or '.join(hint)}?" if hint else ""
-                problems.append(
-                    f"{where}: {line.key} is not a knob sglang knows (a typo is "
-                    f"silently ignored at run time){extra}"
-                )
-            error = knob_value_error(line.key, line.value)
-            if error:
-                problems.append(f"{where}: {error}")
-    if not problems:
-        from .stack import topology_problems
-
-        problems += topology_problems(EnvDir(env_dir), notes)
-    if not problems:
-        problems += model_problems(EnvDir(env_dir), notes)
-    if not problems:
-        _check_engine_args(Path(env_dir), present, problems, notes)
-    return problems, notes
-
-
 # Settings that make an engine take DeepSeek-V4's SM120 attention path: meaningless (or worse)
 # on another model, so a model that is not DSV4 next to them is refused.
 DSV4_SETTINGS = ("SGLANG_CPU_SM120_PATH",)
@@ -374,36 +324,6 @@ def model_problems(env: EnvDir, notes: list[str] | None = None) -> list[str]:
             )
             break
     return problems
-
-
-def _check_engine_args(env_dir: Path, present, problems: list[str], notes: list[str]) -> None:
-    """Each engine's full command line, parsed by the installed sglang's own parser."""
-    from . import engine_args
-
-    table = engine_args.option_table()
-    if table is None:
-        notes.append("engine flags not checked: sglang is not installed for this Python")
-        return
-    notes.append("engine command lines checked with sglang.launch_server's parser")
-    env = EnvDir(env_dir)
-    for role in ("prefill", "decode"):
-        for index in env.instances(role) or [None]:
-            name = role if index is None else f"{role}/{index}"
-            values = {}
-            for file in env.files(role, index):
-                for line in env.lines[file]:
-                    values[line.key] = (str(line.path), line.number, line.value)
-            try:
-                argv = engine_args.engine_argv(env_dir, role, index)
-            except engine_args.EngineArgsError as exc:
-                problems.append(f"launch/{role}.sh --dry-run ({name}): {exc}")
-                continue
-            for flag, message in engine_args.refusals(argv, table):
-                where = engine_args.origin(flag, role, values)
-                problems.append(
-                    f"{where}: {flag or 'the command line'}: sglang.launch_server would refuse "
-                    f"it in the {name} engine's command line ({message})"
-                )
 
 
 # --- diff, snapshots ------------------------------------------------------------------------
