@@ -54,7 +54,7 @@ CPU_ENV = {
     "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
 }
 
-# Thresholds (see README "DeepSeek-V4 on CPU" for how they were chosen).
+# Thresholds (see bench/README.md, "The real model path", for how they were chosen).
 # mma vs torch: the same FP8 cache and the same arguments, so only the kernels' own bf16
 # rounding (P and the output, in different orders; up to 1% of a call's largest output) separates
 # them, carried through the layers after it. Max abs is taken relative to the logits' std.

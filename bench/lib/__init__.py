@@ -1,1 +1,1 @@
-"""Load, reproduction and triage tools for the PD stack (see the Bench section of README.md)."""
+"""Load, reproduction and triage tools for the PD stack (see bench/README.md)."""

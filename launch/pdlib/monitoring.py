@@ -573,7 +573,7 @@ def _write(path: Path, text: str) -> None:
 def render(out: Path, stack: Stack, w: Windows, scrape_s: float, env_dir: Path) -> list[Path]:
     head = (
         f"# Rendered by launch/pd monitoring from {env_dir}; render again (--force) after the\n"
-        "# env files change. Every window is in README.md's Monitoring section.\n"
+        "# env files change. Every window is in launch/README.md, Monitoring.\n"
     )
     files = {
         out / "prometheus.yml": _yaml(config(stack, scrape_s), head),
