@@ -24,10 +24,15 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from tools.entry import require  # noqa: E402
+
+# Under .venv's Python when this one lacks psutil; else one line naming it, exit 2.
+require("bench/bench_serving_check.py", "psutil", script=__file__)
+
+import psutil  # noqa: E402
 
 from bench.lib.client import add_api_key_arg, first_model_id, resolve_api_key  # noqa: E402
 from bench.lib.load import LoadSpec, run_load  # noqa: E402
@@ -307,4 +312,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tools.entry import call
+
+    # A dependency main() imports and this Python lacks ends in one line naming it, exit 2.
+    call("bench/bench_serving_check.py", main)

@@ -669,6 +669,10 @@ def parse(argv) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    from tools.entry import require
+
+    # Before any work (the model is made in a child process): what the check itself imports.
+    require("bench/dsv4_check", "torch", "transformers", "sglang", script=str(Path(__file__)))
     if args.worker:
         return worker(args)
     try:
@@ -737,4 +741,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, str(ROOT))
+    from tools.entry import call
+
+    # A dependency main() imports and this Python lacks ends in one line naming it, exit 2.
+    call("bench/dsv4_check", main)

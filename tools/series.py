@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -627,6 +628,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if importlib.util.find_spec("wheel") is None:
+        print(
+            f"tools/series.py: needs the Python module wheel, which {sys.executable} does not "
+            "have; run it through ./build.sh (it sets up build/tools-venv with the pinned wheel)",
+            file=sys.stderr,
+        )
+        return 2
     root = args.root.resolve()
     cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     paths = Paths(
