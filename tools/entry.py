@@ -38,22 +38,23 @@ def _to_venv(script: str | None) -> None:
         os.execv(python, [str(python), script, *sys.argv[1:]])
 
 
-def missing(name: str, module: str | None) -> NoReturn:
+def missing(name: str, module: str | None, fix: str = FIX) -> NoReturn:
     print(
         f"{name}: needs the Python module {module or '(unknown)'}, which {sys.executable} "
-        f"does not have; {FIX}",
+        f"does not have; {fix}",
         file=sys.stderr,
     )
     sys.exit(2)
 
 
-def require(name: str, *modules: str, script: str | None = None) -> None:
+def require(name: str, *modules: str, script: str | None = None, fix: str = FIX) -> None:
     """Before a script imports its dependencies: each of modules importable, else .venv's
-    Python runs the script instead (when given and there is one), else one line and exit 2."""
+    Python runs the script instead (when given and there is one), else one line and exit 2;
+    fix replaces the usual remedy where another environment provides the modules."""
     absent = [m for m in modules if importlib.util.find_spec(m) is None]
     if absent:
         _to_venv(script)
-        missing(name, absent[0])
+        missing(name, absent[0], fix)
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
 

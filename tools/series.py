@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -628,13 +627,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if importlib.util.find_spec("wheel") is None:
-        print(
-            f"tools/series.py: needs the Python module wheel, which {sys.executable} does not "
-            "have; run it through ./build.sh (it sets up build/tools-venv with the pinned wheel)",
-            file=sys.stderr,
-        )
-        return 2
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools.entry import require
+
+    # Its one dependency comes from build/tools-venv, which ./build.sh sets up.
+    require(
+        "tools/series.py",
+        "wheel",
+        fix="run it through ./build.sh (it sets up build/tools-venv with the pinned wheel)",
+    )
     root = args.root.resolve()
     cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     paths = Paths(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import replace
@@ -11,6 +10,7 @@ from pathlib import Path
 
 from launch.pdlib import checks, envcheck, envfiles, monitoring, rotation, systemd_units
 from launch.pdlib.envfiles import EnvFileError, Redactor
+from launch.pdlib.files import write_whole
 from launch.pdlib.stack import ROOT, Role, Stack, load_stack
 from launch.pdlib.supervise import SuperviseError, remove_secret, supervisor_for
 
@@ -329,13 +329,10 @@ def cmd_verify(args) -> int:
     out(f"verify: {text}")
     if textfile is not None:
         # Written whole, then renamed: a collector never reads half a file.
-        tmp = textfile.with_name(f".{textfile.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(checks.textfile(results, time.time(), stack.unit_prefix))
-            tmp.chmod(0o644)
-            os.replace(tmp, textfile)
+            text = checks.textfile(results, time.time(), stack.unit_prefix)
+            write_whole(textfile, text, 0o644)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             print(f"verify: --textfile {textfile}: {exc}", file=sys.stderr)
             return 2
         out(f"verify: results written to {textfile}")
@@ -543,14 +540,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--drain-timeout",
         type=float,
-        default=600.0,
+        default=rotation.DRAIN_TIMEOUT_S,
         help="seconds to wait for an instance's running and queued requests to reach zero "
         "before restarting it anyway (default: 600)",
     )
     p.add_argument(
         "--router-timeout",
         type=float,
-        default=120.0,
+        default=rotation.ROUTER_TIMEOUT_S,
         help="seconds to wait for the router to drop or take back an instance (default: 120)",
     )
     p.set_defaults(func=cmd_rolling_restart)

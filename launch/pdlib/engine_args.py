@@ -22,6 +22,8 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
+from launch.pdlib.files import write_whole
+
 LAUNCH_DIR = Path(__file__).resolve().parents[1]
 _TYPES = {"int": int, "float": float}
 
@@ -79,9 +81,7 @@ def option_table() -> list[dict] | None:
         pass
     table = _table_from_sglang()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(table))
-    tmp.replace(path)
+    write_whole(path, json.dumps(table))
     return table
 
 

@@ -26,14 +26,12 @@ from pathlib import Path
 import yaml
 
 from launch.pdlib import rotation
+from launch.pdlib.files import write_whole
 from launch.pdlib.stack import ROOT, Stack
 
 ROLE_KINDS = ("prefill", "decode", "router")
 # Where ./build.sh test unpacks Debian's prometheus package; else the tools on PATH.
 PROMETHEUS_BIN = ROOT / "build" / "prometheus" / "usr" / "bin"
-# launch/pd rolling-restart's defaults: the drain, and the router's drop and take-back.
-ROLLING_DRAIN_S = 600.0
-ROLLING_ROUTER_S = 2 * 120.0
 # sglang's defaults, where the env files leave a timeout unset.
 UPSTREAM_WAITING_S = 300.0
 UPSTREAM_BOOTSTRAP_S = 300.0
@@ -80,7 +78,9 @@ def windows(stack: Stack, stuck: float, held: float, slack: float, down=None) ->
     health = {kind: max(r.health_timeout_s for r in stack.of_kind(kind)) for kind in ROLE_KINDS}
     down_s = {kind: down if down is not None else health[kind] for kind in ROLE_KINDS}
     unrouted = {
-        kind: ROLLING_DRAIN_S + health[kind] + ROLLING_ROUTER_S if down is None else 2 * down
+        kind: rotation.DRAIN_TIMEOUT_S + health[kind] + 2 * rotation.ROUTER_TIMEOUT_S
+        if down is None
+        else 2 * down
         for kind in ("prefill", "decode")
     }
     inflight = _max_value(stack, "prefill", "SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT")
@@ -561,15 +561,6 @@ def _yaml(data: dict, head: str) -> str:
     return head + body
 
 
-def _write(path: Path, text: str) -> None:
-    """Whole, then renamed: Prometheus rereads a file_sd file as soon as it changes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.chmod(0o644)
-    os.replace(tmp, path)
-
-
 def render(out: Path, stack: Stack, w: Windows, scrape_s: float, env_dir: Path) -> list[Path]:
     head = (
         f"# Rendered by launch/pd monitoring from {env_dir}; render again (--force) after the\n"
@@ -583,7 +574,9 @@ def render(out: Path, stack: Stack, w: Windows, scrape_s: float, env_dir: Path) 
     for kind, entries in targets(stack).items():
         files[out / "targets" / f"{kind}.json"] = json.dumps(entries, indent=1) + "\n"
     for path, text in files.items():
-        _write(path, text)
+        # Whole, then renamed: Prometheus rereads a file_sd file as soon as it changes.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_whole(path, text, 0o644)
     return list(files)
 
 

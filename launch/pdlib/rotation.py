@@ -11,15 +11,19 @@ the router's `GET /workers` to see what smg made of it. The manifest's fields ar
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 
 from launch.pdlib import loads
+from launch.pdlib.files import write_whole
 from launch.pdlib.stack import Role, Stack, http
 from launch.pdlib.unresponsive import no_answer
 
 MANIFEST_VERSION = 1
+# rolling-restart's defaults: the longest drain, and the router's drop (and take-back) of one
+# instance. monitoring's PDInstanceNotRouted waits out a whole rolling restart with them.
+DRAIN_TIMEOUT_S = 600.0
+ROUTER_TIMEOUT_S = 120.0
 DISCOVERY_ID = "smg.ai/discovery-id"
 
 
@@ -44,9 +48,7 @@ def write(stack: Stack, names: list[str]) -> None:
     engines = [r for r in stack.roles.values() if r.kind != "router" and r.name in names]
     manifest = {"version": MANIFEST_VERSION, "workers": [worker_entry(r) for r in engines]}
     stack.run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = stack.workers_file.with_name(f".{stack.workers_file.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    tmp.replace(stack.workers_file)
+    write_whole(stack.workers_file, json.dumps(manifest, indent=1) + "\n")
 
 
 def put(stack: Stack, role: Role, in_rotation: bool) -> bool:
