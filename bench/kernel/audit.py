@@ -422,9 +422,15 @@ def _kernel_record(launch, target) -> dict:
         "global_loads": res.global_loads,
         "global_loads_128": res.global_loads_128,
         "global_loads_u8": res.global_loads_u8,
-        # Bytes of KV tiles that the resident stage-1 CTAs of one SM have requested at once.
+        # Bytes of KV tiles that the resident stage-1 CTAs of one SM have requested at once:
+        # the tile being waited for plus the PREFETCH tiles issued ahead of it.
         "tile_bytes_in_flight_per_sm": (
-            occ.ctas_per_sm * variant["BLOCK_T"] * BYTES_PER_TOKEN if "BLOCK_T" in variant else None
+            occ.ctas_per_sm
+            * variant["BLOCK_T"]
+            * (1 + variant.get("PREFETCH", 0))
+            * BYTES_PER_TOKEN
+            if "BLOCK_T" in variant
+            else None
         ),
     }
 
@@ -475,7 +481,7 @@ def _print_target(result: dict, show_shapes: bool) -> None:
     cfg = result["config"]
     cfg_text = (
         f"BLOCK_T {cfg['block_t']}, {cfg['num_warps']} warps, {cfg['num_stages']} stage(s), "
-        f"sized for {cfg['ctas_per_sm']} CTA/SM"
+        f"prefetch {cfg.get('prefetch', 0)} tile(s) ahead, sized for {cfg['ctas_per_sm']} CTA/SM"
         if cfg
         else "configuration not reported by this kernel"
     )
@@ -484,7 +490,8 @@ def _print_target(result: dict, show_shapes: bool) -> None:
     if in_flight:
         print(
             "   KV tile bytes requested at once per SM (model: resident CTAs x tile tokens x "
-            f"{BYTES_PER_TOKEN} B): {', '.join(f'{b:,}' for b in sorted(in_flight))}"
+            f"(1 + prefetch) x {BYTES_PER_TOKEN} B): "
+            + ", ".join(f"{b:,}" for b in sorted(in_flight))
         )
     print(
         f"   {'kernel':<52} {'shared / limit':>17} {'regs':>4} {'spill':>5} "

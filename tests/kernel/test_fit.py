@@ -53,16 +53,18 @@ def test_registers_are_allocated_per_warp_in_units_of_256():
 
 
 @pytest.mark.parametrize("arch", [90, 120, 121])
-def test_config_is_sized_for_two_ctas_where_their_shared_memory_fits(arch):
+def test_config_is_prefetched_32_row_tiles_where_they_fit(arch):
     limits = limits_for_arch(arch)
     cfg = config_for(arch, limits.max_shared_per_block)
-    assert (cfg.block_h, cfg.block_t, cfg.num_warps, cfg.num_stages) == (16, 16, 8, 1)
-    assert cfg.ctas_per_sm == 2
+    assert (cfg.block_h, cfg.block_t, cfg.num_warps, cfg.num_stages) == (16, 32, 8, 1)
+    assert (cfg.prefetch, cfg.ctas_per_sm) == (1, 1)
     per_cta = stage1_shared_model(cfg.block_h, cfg.block_t) + limits.reserved_shared_per_block
     assert cfg.ctas_per_sm * per_cta <= limits.shared_per_sm
 
 
-def test_config_on_a_small_device_is_sized_for_one_cta():
-    # A device that reports 48 KiB per block has room for one 49,152 B stage-1 CTA at most.
-    assert config_for(75, 48 * 1024).ctas_per_sm == 1
-    assert config_for(120, 60 * 1024).ctas_per_sm == 1
+def test_config_on_a_small_device_takes_16_row_tiles():
+    # 48 KiB per block holds the 16-row tile's 33,280 B but not the 32-row tile's 50,176 B.
+    assert stage1_shared_model(16, 16) == 33_280 and stage1_shared_model(16, 32) == 50_176
+    for arch in (75, 120):
+        cfg = config_for(arch, 48 * 1024)
+        assert (cfg.block_t, cfg.prefetch, cfg.ctas_per_sm) == (16, 1, 1)

@@ -78,13 +78,17 @@ def test_stage1_runs_on_tensor_cores_and_loads_scales_a_word_per_token(full_audi
             assert k["global_loads_128"] > 0, k
 
 
-def test_two_stage1_ctas_are_resident_per_sm_on_sm120_and_sm121(full_audit):
+def test_sm120_and_sm121_get_prefetched_32_row_tiles_one_cta_per_sm(full_audit):
     for key in SM12X:
         result = _result(full_audit[1], key)
-        assert result["config"]["ctas_per_sm"] == 2
-        assert {k["ctas_per_sm"] for k in _stage1(result)} == {2}
+        cfg = result["config"]
+        assert (cfg["block_t"], cfg["prefetch"], cfg["ctas_per_sm"]) == (32, 1, 1)
+        assert {k["ctas_per_sm"] for k in _stage1(result)} == {1}
         for k in _stage1(result):
+            assert k["variant"]["PREFETCH"] == 1 and k["variant"]["BLOCK_T"] == 32
             assert k["shared_bytes"] <= k["shared_limit"]
+            # The tile being waited for and the next one: 2 x 32 rows x 584 bytes per SM.
+            assert k["tile_bytes_in_flight_per_sm"] == 2 * 32 * 584
 
 
 def test_stage1_shared_memory_is_what_the_configuration_models(full_audit):
@@ -133,9 +137,9 @@ def test_explicit_target_ctas_keeps_its_meaning(tmp_path):
 
 
 def test_audit_fails_a_kernel_that_does_not_fit_sm120(tmp_path):
-    # The configuration before the fit: 32-token tiles and two pipeline stages.
+    # A configuration whose tile cannot fit: 128-row tiles need 151,552 B of shared memory.
     source = Path(fit.__file__).read_text()
-    for old, new in (("BLOCK_T = 16", "BLOCK_T = 32"), ("NUM_STAGES = 1", "NUM_STAGES = 2")):
+    for old, new in (("(32, 1, 1),", "(128, 1, 1),"), ("(16, 1, 1),", "")):
         assert old in source
         source = source.replace(old, new)
     kernel_dir = tmp_path / "kernel"

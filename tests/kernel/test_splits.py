@@ -63,9 +63,8 @@ def test_fixed_target_makes_ctas_about_n(target, batch, head_blocks, expected):
     assert got == expected
 
 
-def test_fixed_target_is_capped_at_one_split_per_minimum_chunk():
-    # 64 tiles of 32 tokens, at least 64 tokens per split -> at most 32 splits.
-    assert split_count_for(4096, **_shape(batch=1)) == 32
+def test_fixed_target_is_capped_at_one_split_per_tile():
+    assert split_count_for(4096, **_shape(batch=1)) == 64
     assert split_count_for(4096, **_shape(batch=1, num_tiles=1)) == 1
 
 
@@ -75,7 +74,7 @@ def test_no_split_is_left_without_tiles():
             for batch in (1, 3, 64):
                 n = split_count_for(target, **_shape(batch=batch, num_tiles=num_tiles))
                 per_split = -(-num_tiles // n)
-                assert 1 <= n <= max(1, num_tiles // 2)
+                assert 1 <= n <= num_tiles
                 assert (n - 1) * per_split < num_tiles, (num_tiles, target, batch, n)
 
 
@@ -86,6 +85,86 @@ def test_auto_splits_small_batches_and_not_large_ones():
     assert large == 1
     counts = [split_count_for(None, **_shape(batch=b)) for b in (1, 16, 64, 128, 256)]
     assert counts == sorted(counts, reverse=True)
+
+
+# The targets' SM counts (datasheet) and the compiled stage 1's resident CTAs per SM there.
+TARGET_SLOTS = {
+    "rtx-pro-6000": (188, 1),
+    "rtx-5090": (170, 1),
+    "dgx-spark": (48, 1),
+    "h200": (132, 1),
+}
+# DSV4 decode tile counts at 32-row tiles: SWA 128 alone, + c4 512, + c4 2048, + c128 512.
+TILE_COUNTS = (4, 20, 68, 20)
+
+
+@pytest.mark.parametrize("key", TARGET_SLOTS)
+def test_auto_gives_a_single_request_a_wave_or_at_most_two_tiles_per_cta(key):
+    sms, per_sm = TARGET_SLOTS[key]
+    for num_tiles in (*TILE_COUNTS, 1, 7, 200, 1000):
+        for head_blocks in (1, 2, 4, 8):
+            n = split_count_for(
+                None,
+                **_shape(
+                    batch=1,
+                    head_blocks=head_blocks,
+                    num_tiles=num_tiles,
+                    num_sms=sms,
+                    ctas_per_sm=per_sm,
+                ),
+            )
+            ctas, per_cta = head_blocks * n, -(-num_tiles // n)
+            assert ctas <= sms * per_sm or n == 1, (num_tiles, head_blocks, n)
+            # One or two tiles per CTA, or as few as one wave allows: walking one tile fewer
+            # would need more CTAs than a wave holds.
+            fewer = per_cta - 1
+            assert per_cta <= 2 or head_blocks * -(-num_tiles // fewer) > sms * per_sm, (
+                num_tiles,
+                head_blocks,
+                n,
+            )
+
+
+@pytest.mark.parametrize("key", TARGET_SLOTS)
+def test_auto_gives_one_split_once_the_batch_fills_the_gpu(key):
+    sms, per_sm = TARGET_SLOTS[key]
+    for head_blocks in (1, 2, 4, 8):
+        full = -(-sms * per_sm // head_blocks)
+        for batch in (full, full + 1, 2 * full, 4 * full):
+            for num_tiles in (*TILE_COUNTS, 1, 1000):
+                n = split_count_for(
+                    None,
+                    **_shape(
+                        batch=batch,
+                        head_blocks=head_blocks,
+                        num_tiles=num_tiles,
+                        num_sms=sms,
+                        ctas_per_sm=per_sm,
+                    ),
+                )
+                assert n == 1, (batch, head_blocks, num_tiles, n)
+
+
+@pytest.mark.parametrize("key", TARGET_SLOTS)
+def test_auto_never_launches_an_empty_cta_or_more_than_three_waves_of_splits(key):
+    sms, per_sm = TARGET_SLOTS[key]
+    slots = sms * per_sm
+    for batch in (1, 2, 3, 8, 16, 31, 64, 96, 128, 200):
+        for head_blocks in (1, 2, 4, 8):
+            for num_tiles in range(1, 80):
+                n = split_count_for(
+                    None,
+                    **_shape(
+                        batch=batch,
+                        head_blocks=head_blocks,
+                        num_tiles=num_tiles,
+                        num_sms=sms,
+                        ctas_per_sm=per_sm,
+                    ),
+                )
+                per_split = -(-num_tiles // n)
+                assert (n - 1) * per_split < num_tiles
+                assert n == 1 or -(-batch * head_blocks * n // slots) <= 3
 
 
 def test_auto_uses_more_sms_for_more_splits():

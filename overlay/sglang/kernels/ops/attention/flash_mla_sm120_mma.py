@@ -27,6 +27,7 @@ The launch depends only on shapes (topk lengths and -1 indices are handled in th
 nothing reads device memory on the host, so it can be captured in a CUDA graph.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ from sglang.kernels.ops.attention.sm120_mma_fit import (
     limits_for_arch,
     occupancy,
 )
-from sglang.kernels.ops.attention.sm120_mma_splits import resolve_split_count
+from sglang.kernels.ops.attention.sm120_mma_splits import ENV_NAME, resolve_split_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -52,6 +53,7 @@ _BYTES_PER_TOKEN = _TOKEN_DATA_STRIDE + _SCALE_STRIDE  # 584
 
 _COMBINE_WARPS = 4
 _COMBINE_BLOCK_H = 16
+_COMBINE_BLOCK_D = 128
 
 # Triton's interpreter mis-evaluates tl.dot on bf16 operands (it multiplies the raw bits), so
 # interpreted runs widen the operands to fp32 first. The widening is exact and p is still rounded
@@ -60,56 +62,119 @@ _DOT_DTYPE = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
 
 
 @triton.jit
-def _load_kv_tile(
-    fp8_ptr,
-    i64_ptr,
-    bf16_ptr,
-    idx_row_ptr,
-    pos0,
+def _gather_tile(cache, idx, page_bytes, PAGE: tl.constexpr, NOPE_DIM: tl.constexpr):
+    """Issue the loads of one tile's KV rows: (nope fp8 [T, 8, 64], rope bf16 [T, 1, 64],
+    scale words int64 [T], valid [T]).
+
+    ``cache`` is the cache's byte pointer; ``idx`` the tile's token slots (-1: no token, whose
+    loads are masked off and move no bytes). The head dim is viewed as 8 groups of 64 columns:
+    groups 0-6 are the FP8 nope values (one UE8M0 scale each), group 7 is the rope. Every row
+    segment starts 16-byte aligned, so the compiler can use 128-bit loads. PAGE is a
+    compile-time constant: finding a slot's page is a shift, not a division in the loop.
+    """
+    valid = idx >= 0
+    safe = tl.where(valid, idx, 0).to(tl.uint32)
+    page = (safe // PAGE).to(tl.int64)
+    slot = (safe % PAGE).to(tl.int64)
+    row = page * page_bytes + slot * 576
+
+    g = tl.arange(0, 8)
+    c = tl.arange(0, 64)
+    nope = tl.load(
+        cache.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+        + row[:, None, None]
+        + (g * 64)[None, :, None]
+        + c[None, None, :],
+        mask=valid[:, None, None] & (g < NOPE_DIM // 64)[None, :, None],
+        other=0.0,
+    )
+    # Rope: 64 bf16 values from byte NOPE_DIM of the token's data, spelled in bf16 elements so
+    # that the compiler sees the 16-byte alignment.
+    rope = tl.load(
+        cache.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        + ((row + NOPE_DIM) // 2)[:, None, None]
+        + c[None, None, :],
+        mask=valid[:, None, None],
+        other=0.0,
+    )
+    # Word t of the page's footer holds token t's 7 UE8M0 exponents, byte g for group g.
+    # 0x7F is 2^0, for masked rows.
+    words = tl.load(
+        cache.to(tl.pointer_type(tl.int64), bitcast=True)
+        + (page * page_bytes + PAGE * 576) // 8
+        + slot,
+        mask=valid,
+        other=0x7F7F7F7F7F7F7F7F,
+    )
+    return nope, rope, words, valid
+
+
+@triton.jit
+def _dequant_tile(nope, rope, words, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """bf16 KV [T, D] from a gathered tile: nope x 2^(e - 127) per group, then the rope.
+
+    The scale is built from the exponent's bits (a power of two: no exp2 per element, and a
+    byte of 0 reads as 0 instead of 2^-127).
+    """
+    g = tl.arange(0, 8)
+    exponent = ((words[:, None] >> (g * 8).to(tl.int64)[None, :]) & 0xFF).to(tl.int32)
+    scale = (exponent << 23).to(tl.float32, bitcast=True)
+    kv = (nope.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16)
+    kv = tl.where((g == 7)[None, :, None], rope, kv)
+    return tl.reshape(kv, [BLOCK_T, D])
+
+
+@triton.jit
+def _walk_list(
+    q,
+    m_i,
+    l_i,
+    acc,
+    cache,
+    idx_row,
+    tile_lo,
+    tile_hi,
     valid_len,
-    page_size,
     page_bytes,
+    qk_scale_log2,
+    PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PREFETCH: tl.constexpr,
     D: tl.constexpr,
     NOPE_DIM: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
-    """Gather and dequantize tokens [pos0, pos0 + BLOCK_T) of one index list.
+    """Attend over tiles [tile_lo, tile_hi) of one index list.
 
-    Returns (kv bf16 [BLOCK_T, D], valid [BLOCK_T]); invalid rows are zero. Each load reads
-    whole rows of contiguous bytes from 16-byte-aligned starts, so the compiler can use 128-bit
-    loads, and a token's 8 scale bytes come in as one 64-bit word.
+    With PREFETCH, the loop is software-pipelined by hand in registers: while tile i is
+    dequantized and multiplied, tile i + 1's KV loads and tile i + 2's index loads are already
+    in flight, so every gather is issued one tile's math before it is used and its addresses
+    never wait on an index load. Tiles past tile_hi load nothing (their indices read as -1).
     """
-    pos = pos0 + tl.arange(0, BLOCK_T)
-    in_list = pos < valid_len
-    idx = tl.load(idx_row_ptr + pos, mask=in_list, other=-1)
-    valid = in_list & (idx >= 0)
-    safe = tl.where(valid, idx, 0)
-    page = (safe // page_size).to(tl.int64)
-    slot = (safe % page_size).to(tl.int64)
-
-    d = tl.arange(0, D)
-    is_nope = d < NOPE_DIM
-    nope = tl.load(
-        fp8_ptr + (page * page_bytes + slot * 576)[:, None] + d[None, :],
-        mask=valid[:, None] & is_nope[None, :],
-        other=0.0,
-    )
-    # Word t of the page's footer holds token t's 7 UE8M0 exponents (biased powers of two), byte
-    # g for nope columns [64 g, 64 g + 64); 0x7F is 2^0, for masked rows.
-    word = page * (page_bytes // 8) + page_size * 72 + slot
-    words = tl.load(i64_ptr + word, mask=valid, other=0x7F7F7F7F7F7F7F7F)
-    exponent = (words[:, None] >> ((d // 64) * 8).to(tl.int64)[None, :]) & 0xFF
-    nope = nope.to(tl.float32) * tl.math.exp2(exponent.to(tl.float32) - 127.0)
-    # Rope starts at byte NOPE_DIM of the token's data. Spelled in bf16 elements so the compiler
-    # can prove 16-byte alignment and vectorize the load.
-    rope_elem = page * (page_bytes // 2) + slot * 288 + NOPE_DIM // 2
-    rope = tl.load(
-        bf16_ptr + rope_elem[:, None] + (d - NOPE_DIM)[None, :],
-        mask=valid[:, None] & (d >= NOPE_DIM)[None, :],
-        other=0.0,
-    )
-    kv = tl.where(is_nope[None, :], nope, rope.to(tl.float32)).to(tl.bfloat16)
-    return kv, valid
+    offs = tl.arange(0, BLOCK_T)
+    if PREFETCH:
+        pos = tile_lo * BLOCK_T + offs
+        idx = tl.load(idx_row + pos, mask=(pos < valid_len) & (tile_lo < tile_hi), other=-1)
+        nope, rope, words, valid = _gather_tile(cache, idx, page_bytes, PAGE, NOPE_DIM)
+        pos += BLOCK_T
+        idx = tl.load(idx_row + pos, mask=(pos < valid_len) & (tile_lo + 1 < tile_hi), other=-1)
+        for tile in range(tile_lo, tile_hi):
+            next_nope, next_rope, next_words, next_valid = _gather_tile(
+                cache, idx, page_bytes, PAGE, NOPE_DIM
+            )
+            pos += BLOCK_T
+            idx = tl.load(idx_row + pos, mask=(pos < valid_len) & (tile + 2 < tile_hi), other=-1)
+            kv = _dequant_tile(nope, rope, words, BLOCK_T, D)
+            m_i, l_i, acc = _attend_tile(q, kv, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE)
+            nope, rope, words, valid = next_nope, next_rope, next_words, next_valid
+    else:
+        for tile in range(tile_lo, tile_hi):
+            pos = tile * BLOCK_T + offs
+            idx = tl.load(idx_row + pos, mask=pos < valid_len, other=-1)
+            nope, rope, words, valid = _gather_tile(cache, idx, page_bytes, PAGE, NOPE_DIM)
+            kv = _dequant_tile(nope, rope, words, BLOCK_T, D)
+            m_i, l_i, acc = _attend_tile(q, kv, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -149,23 +214,17 @@ def _sparse_decode_split_kernel(
     Q,
     stride_qb,
     stride_qh,
-    swa_fp8,
-    swa_i64,
-    swa_bf16,
+    swa_cache,
     swa_idx,
     stride_swa_ib,
     swa_len_ptr,
     swa_topk,
-    swa_page_size,
     swa_page_bytes,
-    ext_fp8,
-    ext_i64,
-    ext_bf16,
+    ext_cache,
     ext_idx,
     stride_ext_ib,
     ext_len_ptr,
     ext_topk,
-    ext_page_size,
     ext_page_bytes,
     O_ptr,
     LSE_ptr,
@@ -181,8 +240,11 @@ def _sparse_decode_split_kernel(
     HAS_EXT_LEN: tl.constexpr,
     HAS_SINK: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    SWA_PAGE: tl.constexpr,
+    EXT_PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PREFETCH: tl.constexpr,
     D: tl.constexpr,
     NOPE_DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -210,48 +272,53 @@ def _sparse_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
 
-    # Tiles past the request's topk length are skipped here, in the kernel, so the launch
-    # stays shape-only.
-    swa_row = swa_idx + pid_b * stride_swa_ib
+    # The SWA list's tiles come first, then the extra list's. Tiles past the request's topk
+    # length are skipped here, in the kernel, so the launch stays shape-only.
     swa_hi = tl.minimum(tile_hi, tl.minimum(swa_tiles, tl.cdiv(swa_len, BLOCK_T)))
-    for tile in range(tile_lo, swa_hi):
-        kv, valid = _load_kv_tile(
-            swa_fp8,
-            swa_i64,
-            swa_bf16,
-            swa_row,
-            tile * BLOCK_T,
-            swa_len,
-            swa_page_size,
-            swa_page_bytes,
-            BLOCK_T,
-            D,
-            NOPE_DIM,
-        )
-        m_i, l_i, acc = _attend_tile(q, kv, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE)
-
+    m_i, l_i, acc = _walk_list(
+        q,
+        m_i,
+        l_i,
+        acc,
+        swa_cache,
+        swa_idx + pid_b * stride_swa_ib,
+        tile_lo,
+        swa_hi,
+        swa_len,
+        swa_page_bytes,
+        qk_scale_log2,
+        SWA_PAGE,
+        BLOCK_T,
+        PREFETCH,
+        D,
+        NOPE_DIM,
+        DOT_DTYPE,
+    )
     if HAS_EXTRA:
         ext_len = ext_topk
         if HAS_EXT_LEN:
             ext_len = tl.minimum(tl.load(ext_len_ptr + pid_b).to(tl.int32), ext_topk)
-        ext_row = ext_idx + pid_b * stride_ext_ib
-        ext_lo = tl.maximum(tile_lo, swa_tiles)
-        ext_hi = tl.minimum(tile_hi, swa_tiles + tl.cdiv(ext_len, BLOCK_T))
-        for tile in range(ext_lo, ext_hi):
-            kv, valid = _load_kv_tile(
-                ext_fp8,
-                ext_i64,
-                ext_bf16,
-                ext_row,
-                (tile - swa_tiles) * BLOCK_T,
-                ext_len,
-                ext_page_size,
-                ext_page_bytes,
-                BLOCK_T,
-                D,
-                NOPE_DIM,
-            )
-            m_i, l_i, acc = _attend_tile(q, kv, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE)
+        ext_lo = tl.maximum(tile_lo, swa_tiles) - swa_tiles
+        ext_hi = tl.minimum(tile_hi - swa_tiles, tl.cdiv(ext_len, BLOCK_T))
+        m_i, l_i, acc = _walk_list(
+            q,
+            m_i,
+            l_i,
+            acc,
+            ext_cache,
+            ext_idx + pid_b * stride_ext_ib,
+            ext_lo,
+            ext_hi,
+            ext_len,
+            ext_page_bytes,
+            qk_scale_log2,
+            EXT_PAGE,
+            BLOCK_T,
+            PREFETCH,
+            D,
+            NOPE_DIM,
+            DOT_DTYPE,
+        )
 
     has_tokens = l_i > 0.0
     safe_l = tl.where(has_tokens, l_i, 1.0)
@@ -268,10 +335,14 @@ def _sparse_decode_split_kernel(
         )
         tl.store(LSE_ptr + rows, lse2 / LOG2E, mask=h_mask)
     else:
-        # O_ptr and LSE_ptr are the fp32 partials [B, H, splits, D] and log2-sum-exps.
+        # O_ptr: the bf16 partials [B, H, splits, D], each normalised by its own sum (so it is
+        # a convex combination of V rows and bf16 keeps it to the output's own rounding);
+        # LSE_ptr: their fp32 log2-sum-exps, which carry each split's weight exactly.
         part = (pid_b * H + offs_h) * num_splits + pid_s
         tl.store(
-            O_ptr + part[:, None] * D + d[None, :], acc / safe_l[:, None], mask=h_mask[:, None]
+            O_ptr + part[:, None] * D + d[None, :],
+            (acc / safe_l[:, None]).to(tl.bfloat16),
+            mask=h_mask[:, None],
         )
         tl.store(LSE_ptr + part, lse2, mask=h_mask)
 
@@ -288,15 +359,21 @@ def _combine_splits_kernel(
     num_splits,
     HAS_SINK: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     D: tl.constexpr,
 ):
-    """lse2 = log2sumexp2_s(lse2_s); out = sum_s exp2(lse2_s - lse2) * out_s; then the sink."""
+    """lse2 = log2sumexp2_s(lse2_s); out = sum_s exp2(lse2_s - lse2) * out_s; then the sink.
+
+    Grid (head blocks, batch, D / BLOCK_D): a request's splits are merged by several programs,
+    each over a slice of the head dim, so that a small batch still spreads the partials' reads.
+    """
     pid_h = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
+    pid_d = tl.program_id(2)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     rows = pid_b * H + offs_h
-    d = tl.arange(0, D)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
 
     top = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     for s in range(num_splits):
@@ -304,14 +381,13 @@ def _combine_splits_kernel(
         top = tl.maximum(top, part_lse)
     shift = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for s in range(num_splits):
         part = rows * num_splits + s
         w = tl.math.exp2(tl.load(LSE_part + part, mask=h_mask, other=float("-inf")) - shift)
         total += w
-        acc += w[:, None] * tl.load(
-            O_part + part[:, None] * D + d[None, :], mask=h_mask[:, None], other=0.0
-        )
+        o = tl.load(O_part + part[:, None] * D + d[None, :], mask=h_mask[:, None], other=0.0)
+        acc += w[:, None] * o.to(tl.float32)
     has_tokens = total > 0.0
     safe_total = tl.where(has_tokens, total, 1.0)
     lse2 = tl.where(has_tokens, shift + tl.math.log2(safe_total), float("-inf"))
@@ -321,42 +397,34 @@ def _combine_splits_kernel(
         (acc * weight[:, None]).to(tl.bfloat16),
         mask=h_mask[:, None] & (d < head_dim_v)[None, :],
     )
-    tl.store(LSE + rows, lse2 / LOG2E, mask=h_mask)
+    tl.store(LSE + rows, lse2 / LOG2E, mask=h_mask & (pid_d == 0))
 
 
-def _typed_views(k_cache: torch.Tensor):
-    """fp8, int64 and bf16 flat views of a page buffer, plus (page_size, page_bytes)."""
+def _check_cache(k_cache: torch.Tensor) -> tuple[int, int]:
+    """(page_size, page_bytes) of a page buffer, or ValueError naming what is wrong."""
     if k_cache.dim() != 4 or k_cache.shape[-1] != _BYTES_PER_TOKEN or k_cache.element_size() != 1:
         raise ValueError(
             f"expected a [pages, page_size, 1, {_BYTES_PER_TOKEN}] one-byte KV cache view, got "
             f"shape {tuple(k_cache.shape)} dtype {k_cache.dtype}"
         )
-    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
-    page_bytes = k_cache.stride(0)
-    if page_bytes < page_size * _BYTES_PER_TOKEN or page_bytes % _SCALE_STRIDE:
+    page_size, page_bytes = k_cache.shape[1], k_cache.stride(0)
+    if page_bytes < page_size * _BYTES_PER_TOKEN or page_bytes % 16:
         raise ValueError(
             f"KV cache page stride {page_bytes} bytes cannot hold {page_size} tokens of "
-            f"{_BYTES_PER_TOKEN} bytes with a size that keeps the 8-byte scale words aligned"
+            f"{_BYTES_PER_TOKEN} bytes with a size that keeps rows and scale words aligned "
+            "(a multiple of 16 bytes)"
         )
-    if k_cache.data_ptr() % _SCALE_STRIDE:
-        raise ValueError("KV cache pages must start on an 8-byte boundary")
-    raw = k_cache.as_strided((num_pages * page_bytes,), (1,)).view(torch.uint8)
-    return (
-        raw.view(torch.float8_e4m3fn),
-        raw.view(torch.int64),
-        raw.view(torch.bfloat16),
-        page_size,
-        page_bytes,
-    )
+    return page_size, page_bytes
 
 
 def _index_rows(indices: torch.Tensor, batch: int) -> torch.Tensor:
-    rows = indices.reshape(batch, -1)
-    if rows.dtype != torch.int32:
-        rows = rows.to(torch.int32)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return rows
+    """The index list as [B, ..., topk] int32 rows with unit stride along topk (no copy when it
+    already is, as upstream's backend builds it)."""
+    if indices.dtype != torch.int32:
+        indices = indices.to(torch.int32)
+    if indices.stride(-1) != 1 or indices.numel() != batch * indices.shape[-1]:
+        indices = indices.reshape(batch, -1).contiguous()
+    return indices
 
 
 @dataclass(frozen=True)
@@ -387,24 +455,21 @@ def _device_view() -> _DeviceView:
         if not triton.knobs.runtime.interpret:
             raise
         active = None
+    # Keyed by the driver object itself (a process has one real driver; the audit's virtual
+    # devices are kept alive by their entries).
+    key = (active, active.get_current_device()) if active is not None else (None, None)
+    view = _views.get(key)
+    if view is not None:
+        return view
     if active is None:
         arch, num_sms, max_shared = _INTERPRETER_VIEW_ARCH, _INTERPRETER_VIEW_SMS, None
-        key = None
     else:
-        device = active.get_current_device()
-        # Keyed by the driver object itself (a process has one real driver; the audit's
-        # virtual devices are kept alive by their entries).
-        key = (active, device)
-        view = _views.get(key)
-        if view is not None:
-            return view
-        props = active.utils.get_device_properties(device)
+        props = active.utils.get_device_properties(key[1])
         arch = active.get_current_target().arch
         num_sms, max_shared = props["multiprocessor_count"], props["max_shared_mem"]
     limits = limits_for_arch(arch, max_shared)
     view = _DeviceView(arch, num_sms, limits, config_for(arch, limits.max_shared_per_block))
-    if key is not None:
-        _views[key] = view
+    _views[key] = view
     return view
 
 
@@ -431,17 +496,100 @@ def _stage1_ctas_per_sm(view: _DeviceView, args: list, constexprs: dict) -> int:
     return _resident[key]
 
 
-# Grow-only fp32 scratch for split partials, one per (device, stream). Every buffer ever handed
-# out stays referenced: a CUDA graph captured with an older (smaller) buffer keeps its address.
-_scratch: dict[tuple, list[torch.Tensor]] = {}
+# Grow-only scratch for split partials (bf16 outputs, fp32 log2-sum-exps), one pair per
+# (device, stream). Every buffer ever handed out stays referenced: a CUDA graph captured with an
+# older (smaller) buffer keeps its address. Kernels get the whole buffer (they index only the
+# rows of their launch), so a call makes no slice.
+_scratch: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
-def _partials(device: torch.device, numel: int) -> torch.Tensor:
+def _partials(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     buffers = _scratch.setdefault((str(device), stream), [])
-    if not buffers or buffers[-1].numel() < numel:
-        buffers.append(torch.empty(numel, dtype=torch.float32, device=device))
-    return buffers[-1][:numel]
+    if not buffers or buffers[-1][1].numel() < rows:
+        buffers.append(
+            (
+                torch.empty(rows * _D, dtype=torch.bfloat16, device=device),
+                torch.empty(rows, dtype=torch.float32, device=device),
+            )
+        )
+    return buffers[-1]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a call's launches depend on, computed once per shape (``plan_for``)."""
+
+    config: LaunchConfig
+    head_blocks: int
+    num_tiles: int
+    swa_tiles: int
+    num_splits: int
+    tiles_per_split: int
+    ctas_per_sm: int
+    grid: tuple[int, int, int]
+    combine_grid: tuple[int, int, int] | None
+    constexprs: tuple[tuple[str, object], ...]
+
+    @property
+    def ctas(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+# One plan per (device, shape, flags, knob text). A decode server sees a handful of shapes per
+# batch size (layers with and without an extra list), so this stays small.
+_plans: dict[tuple, LaunchPlan] = {}
+
+
+def _make_plan(view, key, args, batch, num_heads, swa_topk, ext_topk, swa_page, ext_page, flags):
+    cfg = view.config
+    swa_tiles = triton.cdiv(swa_topk, cfg.block_t)
+    num_tiles = swa_tiles + triton.cdiv(ext_topk, cfg.block_t)
+    head_blocks = triton.cdiv(num_heads, cfg.block_h)
+    has_swa_len, has_extra, has_ext_len, has_sink = flags
+    constexprs = dict(
+        HAS_SWA_LEN=has_swa_len,
+        HAS_EXTRA=has_extra,
+        HAS_EXT_LEN=has_ext_len,
+        HAS_SINK=has_sink,
+        SINGLE_SPLIT=False,
+        SWA_PAGE=swa_page,
+        EXT_PAGE=ext_page,
+        BLOCK_H=cfg.block_h,
+        BLOCK_T=cfg.block_t,
+        PREFETCH=cfg.prefetch,
+        D=_D,
+        NOPE_DIM=_NOPE_DIM,
+        DOT_DTYPE=_DOT_DTYPE,
+    )
+    args[22], args[23] = swa_tiles, num_tiles
+    ctas_per_sm = _stage1_ctas_per_sm(view, args, constexprs)
+    num_splits = resolve_split_count(
+        batch=batch,
+        head_blocks=head_blocks,
+        num_tiles=num_tiles,
+        tile_tokens=cfg.block_t,
+        num_sms=view.num_sms,
+        ctas_per_sm=ctas_per_sm,
+    )
+    constexprs["SINGLE_SPLIT"] = num_splits == 1
+    combine_grid = None
+    if num_splits > 1:
+        combine_grid = (triton.cdiv(num_heads, _COMBINE_BLOCK_H), batch, _D // _COMBINE_BLOCK_D)
+    plan = LaunchPlan(
+        config=cfg,
+        head_blocks=head_blocks,
+        num_tiles=num_tiles,
+        swa_tiles=swa_tiles,
+        num_splits=num_splits,
+        tiles_per_split=triton.cdiv(num_tiles, num_splits),
+        ctas_per_sm=ctas_per_sm,
+        grid=(head_blocks, num_splits, batch),
+        combine_grid=combine_grid,
+        constexprs=tuple(constexprs.items()),
+    )
+    _plans[key] = plan
+    return plan
 
 
 def flash_mla_sparse_decode_mma(
@@ -461,6 +609,9 @@ def flash_mla_sparse_decode_mma(
     Returns (out [B, 1, H, head_dim_v] bf16, lse [B, H, 1] fp32) with upstream's reference
     contract: lse is the log-sum-exp of the scaled scores without the sink (-inf for a request
     with no valid token, whose output is zero); the sink only rescales the output.
+
+    The hot path allocates the two outputs and launches stage 1 (and the combine when there is
+    more than one split); everything else comes from the shape's cached ``LaunchPlan``.
     """
     if q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(
@@ -473,119 +624,107 @@ def flash_mla_sparse_decode_mma(
         )
     if softmax_scale is None:
         softmax_scale = d_qk ** (-0.5)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     device = q.device
-    q3 = q[:, 0]
-    if q3.stride(-1) != 1:
-        q3 = q3.contiguous()
-
-    view = _device_view()
-    cfg = view.config
-    swa_fp8, swa_i64, swa_bf16, swa_page_size, swa_page_bytes = _typed_views(k_cache)
-    swa_rows = _index_rows(indices, batch)
-    swa_topk = swa_rows.shape[1]
-    swa_tiles = triton.cdiv(swa_topk, cfg.block_t)
-
-    has_extra = extra_k_cache is not None and extra_indices is not None
-    if has_extra:
-        ext_fp8, ext_i64, ext_bf16, ext_page_size, ext_page_bytes = _typed_views(extra_k_cache)
-        ext_rows = _index_rows(extra_indices, batch)
-    else:
-        ext_fp8, ext_i64, ext_bf16, ext_page_size, ext_page_bytes = swa_fp8, swa_i64, swa_bf16, 1, 0
-        ext_rows = swa_rows
-    ext_topk = ext_rows.shape[1] if has_extra else 0
-    num_tiles = swa_tiles + triton.cdiv(ext_topk, cfg.block_t)
-
     out = torch.empty(batch, 1, num_heads, head_dim_v, dtype=torch.bfloat16, device=device)
     lse = torch.empty(batch, num_heads, 1, dtype=torch.float32, device=device)
-    head_blocks = triton.cdiv(num_heads, cfg.block_h)
     if batch == 0 or num_heads == 0:
         return out, lse
-    if num_tiles == 0:
+
+    has_extra = extra_k_cache is not None and extra_indices is not None
+    swa_rows = _index_rows(indices, batch)
+    ext_rows = _index_rows(extra_indices, batch) if has_extra else swa_rows
+    ext_cache = extra_k_cache if has_extra else k_cache
+    swa_topk = swa_rows.shape[-1]
+    ext_topk = ext_rows.shape[-1] if has_extra else 0
+    if swa_topk + ext_topk == 0:
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
+    for cache in (k_cache, ext_cache):
+        if cache.data_ptr() % 16:
+            raise ValueError("KV cache pages must start on a 16-byte boundary")
 
     placeholder = swa_rows
-    sink = attn_sink if attn_sink is not None else placeholder
-    swa_len = topk_length if topk_length is not None else placeholder
-    ext_len = extra_topk_length if (has_extra and extra_topk_length is not None) else placeholder
-    # Index 21 and 22 are the outputs (out and lse, or the partials), 27 num_splits and 29
-    # tiles_per_split (neither is specialized on, so the kernel compiled for the occupancy query
-    # below is the one launched).
+    flags = (
+        topk_length is not None,
+        has_extra,
+        has_extra and extra_topk_length is not None,
+        attn_sink is not None,
+    )
+    # Index 15 and 16 are the outputs (out and lse, or the partials), 21 num_splits, 22
+    # swa_tiles and 23 tiles_per_split (num_splits and tiles_per_split are not specialized on,
+    # so the kernel compiled for the occupancy query is the one launched).
     args = [
-        q3,
-        q3.stride(0),
-        q3.stride(1),
-        swa_fp8,
-        swa_i64,
-        swa_bf16,
+        q,
+        q.stride(0),
+        q.stride(2),
+        k_cache,
         swa_rows,
         swa_rows.stride(0),
-        swa_len,
+        topk_length if flags[0] else placeholder,
         swa_topk,
-        swa_page_size,
-        swa_page_bytes,
-        ext_fp8,
-        ext_i64,
-        ext_bf16,
+        k_cache.stride(0),
+        ext_cache,
         ext_rows,
         ext_rows.stride(0),
-        ext_len,
+        extra_topk_length if flags[2] else placeholder,
         ext_topk,
-        ext_page_size,
-        ext_page_bytes,
+        ext_cache.stride(0),
         out,
         lse,
-        sink,
+        attn_sink if flags[3] else placeholder,
         softmax_scale * 1.4426950408889634,
         num_heads,
         head_dim_v,
         1,
-        swa_tiles,
-        num_tiles,
+        0,
+        0,
     ]
-    constexprs = dict(
-        HAS_SWA_LEN=topk_length is not None,
-        HAS_EXTRA=has_extra,
-        HAS_EXT_LEN=has_extra and extra_topk_length is not None,
-        HAS_SINK=attn_sink is not None,
-        SINGLE_SPLIT=False,
-        BLOCK_H=cfg.block_h,
-        BLOCK_T=cfg.block_t,
-        D=_D,
-        NOPE_DIM=_NOPE_DIM,
-        DOT_DTYPE=_DOT_DTYPE,
+    view = _device_view()
+    key = (
+        view,
+        batch,
+        num_heads,
+        head_dim_v,
+        swa_topk,
+        tuple(k_cache.shape),
+        k_cache.stride(0),
+        ext_topk,
+        tuple(ext_cache.shape),
+        ext_cache.stride(0),
+        flags,
+        os.environ.get(ENV_NAME),
     )
-    num_splits = resolve_split_count(
-        batch=batch,
-        head_blocks=head_blocks,
-        num_tiles=num_tiles,
-        tile_tokens=cfg.block_t,
-        num_sms=view.num_sms,
-        ctas_per_sm=_stage1_ctas_per_sm(view, args, constexprs),
-    )
-    single = num_splits == 1
-    if not single:
-        rows = batch * num_heads * num_splits
-        scratch = _partials(device, rows * (_D + 1))
-        args[21], args[22] = scratch[: rows * _D], scratch[rows * _D :]
-    args[27], args[29] = num_splits, triton.cdiv(num_tiles, num_splits)
-    constexprs["SINGLE_SPLIT"] = single
-    _sparse_decode_split_kernel[(head_blocks, num_splits, batch)](
+    plan = _plans.get(key)
+    if plan is None:
+        swa_page, _ = _check_cache(k_cache)
+        ext_page = _check_cache(ext_cache)[0] if has_extra else 1
+        plan = _make_plan(
+            view, key, args, batch, num_heads, swa_topk, ext_topk, swa_page, ext_page, flags
+        )
+    constexprs = dict(plan.constexprs)
+    args[21], args[22], args[23] = plan.num_splits, plan.swa_tiles, plan.tiles_per_split
+    if plan.combine_grid is not None:
+        args[15], args[16] = _partials(device, batch * num_heads * plan.num_splits)
+    cfg = plan.config
+    _sparse_decode_split_kernel[plan.grid](
         *args, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs
     )
-    if not single:
-        _combine_splits_kernel[(triton.cdiv(num_heads, _COMBINE_BLOCK_H), batch)](
-            args[21],
-            args[22],
+    if plan.combine_grid is not None:
+        _combine_splits_kernel[plan.combine_grid](
+            args[15],
+            args[16],
             out,
             lse,
-            sink,
+            args[17],
             num_heads,
             head_dim_v,
-            num_splits,
-            HAS_SINK=attn_sink is not None,
+            plan.num_splits,
+            HAS_SINK=flags[3],
             BLOCK_H=_COMBINE_BLOCK_H,
+            BLOCK_D=_COMBINE_BLOCK_D,
             D=_D,
             num_warps=_COMBINE_WARPS,
         )

@@ -112,44 +112,57 @@ class LaunchConfig:
     block_t: int  # KV tokens gathered and dequantized per loop iteration
     num_warps: int
     num_stages: int  # software-pipelining depth Triton gives the loop's loads
+    # Tiles whose KV loads are in flight ahead of the one being computed (our own pipeline,
+    # in registers: 1 = the next tile's KV and the tile after's indices).
+    prefetch: int
     # Resident CTAs per SM this configuration is sized for on its architectures. The audit
     # checks that the compiled kernel reaches it; the launcher uses it only where there is no
     # compiled kernel to read (Triton's interpreter).
     ctas_per_sm: int
 
 
-# Stage 1 keeps the query block and the dequantized KV tile in shared memory as bf16 MMA
-# operands: the query block once, the tile twice (Triton lays it out once as K^T for the scores
-# and once as V for P.V). Compiled by Triton 3.8 for sm_90, sm_120 and sm_121, stage 1's shared
-# memory is exactly this (bench/kernel/audit prints the compiled figure).
+# Every tile constant of stage 1, in one place.
+#
+# Stage 1 keeps three things in shared memory: the query block as a bf16 MMA operand, the
+# dequantized KV tile (one buffer that serves as K^T for the scores and as V for P.V), and the
+# bf16 probabilities P as the second MMA's A operand. Compiled by Triton 3.8 for sm_90, sm_120
+# and sm_121, stage 1's shared memory is exactly this (bench/kernel/audit prints the compiled
+# figure, and tests/kernel/test_kernel_audit.py checks that it equals the model).
 _HEAD_DIM = 512
 _BF16 = 2
 
 
 def stage1_shared_model(block_h: int, block_t: int) -> int:
-    return _BF16 * _HEAD_DIM * (block_h + 2 * block_t)
+    return _BF16 * (_HEAD_DIM * (block_h + block_t) + block_h * block_t)
 
 
 BLOCK_H = 16  # mma.sync's M: the smallest head block a tensor-core tile serves
 NUM_WARPS = 8
-# 16-token tiles (9.3 KB of KV each). Two resident CTAs per SM, so that one computes while the
-# other waits for its tile: at 8 warps that needs at most 128 registers per thread, which stage 1
-# compiles to (88 to 108) on sm_90, sm_120 and sm_121. 32-token tiles fit two CTAs' shared memory
-# only on sm_90 (81,920 B each), and there they compile to 128 to 139 registers with stack spills
-# in the single-split variants, i.e. one CTA per SM: no more bytes in flight than 16-token tiles.
-BLOCK_T = 16
-RESIDENT_CTAS = 2
-# Software pipelining (num_stages > 1) stages the next tile's raw bytes in shared memory
-# (73,920 B at 16-token tiles) and raises registers past 200: one CTA per SM on every target.
+# Triton's own pipelining (num_stages > 1) would stage the next tile's raw bytes in shared
+# memory; the loop is pipelined by hand in registers instead (PREFETCH).
 NUM_STAGES = 1
+# The configurations stage 1 may take, the preferred first; a device gets the first whose
+# shared memory fits one CTA. Preferred: 32-row tiles with the next tile's KV in flight during
+# the current tile's math (50,176 B, 242 registers on sm_120: one CTA per SM, 18.7 KB of KV in
+# flight per SM at every point of the loop). Smaller devices take 16-row tiles.
+CONFIGS = (
+    # (block_t, prefetch, resident CTAs per SM the compiled kernel reaches)
+    (32, 1, 1),
+    (16, 1, 1),
+)
 
 
 def config_for(arch: int, max_shared_per_block: int) -> LaunchConfig:
     """Stage 1's configuration on a device, from its architecture and the shared memory per
-    block it reports: sized for RESIDENT_CTAS CTAs per SM where their shared memory fits the SM
-    (sm_90, sm_120, sm_121 and every SM of 100 KiB or more), else for one."""
+    block it reports: the first of CONFIGS whose shared memory fits the device."""
     limits = limits_for_arch(arch, max_shared_per_block)
     per_sm = min(limits.shared_per_sm, max_shared_per_block + limits.reserved_shared_per_block)
-    per_cta = stage1_shared_model(BLOCK_H, BLOCK_T) + limits.reserved_shared_per_block
-    ctas = RESIDENT_CTAS if RESIDENT_CTAS * per_cta <= per_sm else 1
-    return LaunchConfig(BLOCK_H, BLOCK_T, NUM_WARPS, NUM_STAGES, ctas)
+    for config in CONFIGS:
+        block_t, _, ctas = config
+        if (
+            ctas * (stage1_shared_model(BLOCK_H, block_t) + limits.reserved_shared_per_block)
+            <= per_sm
+        ):
+            break
+    block_t, prefetch, ctas = config
+    return LaunchConfig(BLOCK_H, block_t, NUM_WARPS, NUM_STAGES, prefetch, ctas)

@@ -2,9 +2,10 @@
 ``SGLANG_SM120_MMA_TARGET_CTAS`` knob and the automatic choice.
 
 The stage-1 grid is ``batch x head_blocks x splits`` programs (CTAs). Few CTAs leave SMs idle;
-many splits multiply the fp32 partial outputs that stage 2 has to read back. The knob says how
-many CTAs to aim for; ``auto`` (the default) picks the split count from a wave-quantization cost
-model in the spirit of FlashAttention's ``num_splits_heuristic``.
+many splits multiply the partial outputs that the combine has to read back. The knob says how
+many CTAs to aim for; ``auto`` (the default) picks the split count from a wave model of the
+device (its SM count and the compiled kernel's resident CTAs per SM), in the spirit of
+FlashAttention's ``num_splits_heuristic`` and FlashInfer's SM120 planner.
 
 Standard library only, so the parser and the split choice can be checked without torch or a GPU.
 The variable is read from ``os.environ`` directly: it is registered in sglang's env registry as
@@ -23,22 +24,23 @@ logger = logging.getLogger(__name__)
 ENV_NAME = "SGLANG_SM120_MMA_TARGET_CTAS"
 AUTO = "auto"
 
-# Splits never get shorter than this many KV tokens: below it the per-split fixed cost
-# (query load, partial write, combine read) dominates the KV it reads.
-MIN_TOKENS_PER_SPLIT = 64
-
-# Cost model of the automatic choice, in units of "one CTA gathers one KV token" (the tile size
-# differs per device, so costs are counted in tokens). Calibrate these with
-# bench/kernel/microbench against fixed TARGET_CTAS values on the target GPU. The resident CTAs
-# per SM are not a constant here: the launcher reads them from the compiled kernel on the device
-# (registers, shared memory, warps; see sm120_mma_fit.occupancy).
-# Per-CTA cost besides its tokens: launch ramp and the query block load.
-CTA_OVERHEAD_TOKENS = 32
-# Extra per-CTA cost once there is more than one split: a 16-head x 512 fp32 partial is
-# about 32 KiB written by stage 1 and read again by stage 2, against 584 bytes per KV token.
-SPLIT_OVERHEAD_TOKENS = 112
-# Launching the combine kernel at all, in wave-token units (a few microseconds).
-COMBINE_LAUNCH_TOKENS = 96
+# The wave model behind ``auto``. A stage-1 CTA's time is counted in tiles (one tile: BLOCK_T
+# KV rows gathered and attended, the unit the kernel's loop advances by); a launch of C CTAs on
+# S SMs x R resident CTAs runs in ceil(C / (S x R)) waves. The constants are the model's fixed
+# costs in tiles. They are estimates from the kernel's structure, not yet fitted to a
+# graph-replay sweep on any GPU: fit them with bench/kernel/microbench (auto against fixed
+# TARGET_CTAS values) on the target architecture.
+# A CTA's cost besides its tiles: the launch ramp, the 16 KiB query block, the pipeline's
+# first gather that nothing overlaps.
+CTA_OVERHEAD_TILES = 1.0
+# A split's extra cost: its 16-head x 512 bf16 partial (16 KiB, about one tile's KV) is written
+# by stage 1 and read again by the combine.
+SPLIT_OVERHEAD_TILES = 1.0
+# Launching the combine kernel at all: a second launch and its dependent start.
+COMBINE_LAUNCH_TILES = 1.0
+# Above this many waves a split count is not considered: the tail effects the model ignores
+# grow with the wave count (FlashInfer's SM120 planner uses the same bound).
+MAX_WAVES = 3
 
 _POSITIVE_INT = re.compile(r"[0-9]+")
 
@@ -82,27 +84,29 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _auto_split_count(
-    base_ctas: int, num_tiles: int, tile_tokens: int, slots: int, max_splits: int
-) -> int:
-    """Split count minimising the modelled stage-1 makespan plus the combine's cost.
+def _auto_split_count(base_ctas: int, num_tiles: int, slots: int) -> int:
+    """Split count minimising the modelled makespan: waves x (tiles per CTA + overhead), plus
+    the split and combine costs, over split counts of at most MAX_WAVES waves.
 
-    Makespan = waves x per-CTA work, where waves = ceil(CTAs / resident CTA slots): a grid that
-    fills 1.1 waves costs as much as two full ones, which is the wave quantization that
-    FlashAttention's heuristic weighs. ``slots`` is SMs x resident CTAs per SM.
+    A batch that fills a wave on its own (base_ctas >= slots) gets one split: splitting it
+    could only add waves, partials and the combine. A small batch gets enough CTAs that each
+    walks one or two tiles, as far as one wave allows.
     """
+    if base_ctas >= slots:
+        return 1
     best_splits, best_cost = 1, math.inf
-    for splits in range(1, max_splits + 1):
+    for splits in range(1, num_tiles + 1):
         tiles_per_split = _cdiv(num_tiles, splits)
         if splits > 1 and tiles_per_split == _cdiv(num_tiles, splits - 1):
             # Same work per CTA as one split fewer, only more CTAs: never better.
             continue
-        per_cta = tiles_per_split * tile_tokens + CTA_OVERHEAD_TOKENS
-        cost = 0.0
+        waves = _cdiv(base_ctas * splits, slots)
+        if waves > MAX_WAVES:
+            break
+        per_cta = tiles_per_split + CTA_OVERHEAD_TILES
+        cost = waves * per_cta
         if splits > 1:
-            per_cta += SPLIT_OVERHEAD_TOKENS
-            cost += COMBINE_LAUNCH_TOKENS
-        cost += _cdiv(base_ctas * splits, slots) * per_cta
+            cost += waves * SPLIT_OVERHEAD_TILES + COMBINE_LAUNCH_TILES
         if cost < best_cost:
             best_splits, best_cost = splits, cost
     return best_splits
@@ -122,10 +126,10 @@ def split_count_for(
 
     ``num_tiles`` is the number of ``tile_tokens``-token KV tiles per request (SWA and extra
     lists together). With ``target_ctas`` = N the result makes batch x head_blocks x splits
-    about N; with None it is the automatic choice. Either way it is at least 1, at most one
-    split per MIN_TOKENS_PER_SPLIT tokens, and no split is left empty. ``ctas_per_sm`` is how
-    many stage-1 CTAs the compiled kernel keeps resident on one SM; the automatic choice fills
-    whole waves of num_sms x ctas_per_sm.
+    about N; with None it is the automatic choice (the wave model above). Either way it is at
+    least 1, at most one split per tile, and no split is left empty. ``ctas_per_sm`` is how
+    many stage-1 CTAs the compiled kernel keeps resident on one SM; the automatic choice counts
+    waves of num_sms x ctas_per_sm.
     """
     if min(batch, head_blocks, num_tiles, tile_tokens, num_sms, ctas_per_sm) <= 0:
         raise ValueError(
@@ -133,16 +137,12 @@ def split_count_for(
             f"head_blocks={head_blocks}, num_tiles={num_tiles}, tile_tokens={tile_tokens}, "
             f"num_sms={num_sms}, ctas_per_sm={ctas_per_sm}"
         )
-    min_tiles = max(1, _cdiv(MIN_TOKENS_PER_SPLIT, tile_tokens))
-    max_splits = max(1, num_tiles // min_tiles)
     base_ctas = batch * head_blocks
     if target_ctas is None:
-        wanted = _auto_split_count(
-            base_ctas, num_tiles, tile_tokens, num_sms * ctas_per_sm, max_splits
-        )
+        wanted = _auto_split_count(base_ctas, num_tiles, num_sms * ctas_per_sm)
     else:
         wanted = max(1, (target_ctas + base_ctas // 2) // base_ctas)
-    wanted = min(wanted, max_splits)
+    wanted = min(wanted, num_tiles)
     # Equal tile counts per split; drop splits that this rounding would leave without a tile.
     return _cdiv(num_tiles, _cdiv(num_tiles, wanted))
 
