@@ -419,6 +419,7 @@ def _kernel_record(launch, target) -> dict:
         "ctas_per_sm": occ.ctas_per_sm,
         "limited_by": occ.limited_by,
         "tensor_core_ops": res.tensor_core_ops,
+        "block_scaled_mma": res.block_scaled_mma,
         "global_loads": res.global_loads,
         "global_loads_128": res.global_loads_128,
         "global_loads_u8": res.global_loads_u8,
@@ -486,7 +487,18 @@ def _print_target(result: dict, show_shapes: bool) -> None:
         else "configuration not reported by this kernel"
     )
     print(f"\n== {t['name']} ({t['sm']}, {t['sms']} SMs): {cfg_text}")
-    in_flight = {k["tile_bytes_in_flight_per_sm"] for k in _stage1_kernels(result)}
+    stage1 = _stage1_kernels(result)
+    if stage1:
+        scaled = sum(k.get("block_scaled_mma", 0) for k in stage1)
+        print(
+            f"   block-scaled MMA in stage 1: {scaled} instruction(s)"
+            + (
+                ""
+                if scaled
+                else " (FP8 KV dequantized to bf16; why: python -m bench.kernel.fp8_study)"
+            )
+        )
+    in_flight = {k["tile_bytes_in_flight_per_sm"] for k in stage1}
     if in_flight:
         print(
             "   KV tile bytes requested at once per SM (model: resident CTAs x tile tokens x "

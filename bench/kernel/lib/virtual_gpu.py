@@ -78,6 +78,7 @@ class Resources:
     spill_stores: int
     spill_loads: int
     tensor_core_ops: int
+    block_scaled_mma: int
     global_loads: int
     global_loads_128: int
     global_loads_u8: int
@@ -112,6 +113,8 @@ _RESOURCE_LINE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d
 # SASS mnemonics: HMMA is mma.sync, HGMMA warpgroup MMA (sm_90); LDG a global load and LDGSTS an
 # asynchronous global-to-shared copy (cp.async); STL/LDL local-memory stores and loads.
 _TENSOR_CORE = re.compile(r"\b(?:HMMA|HGMMA|QMMA|UTCHMMA|UTCQMMA)\b")
+# Block-scaled MMA (FP8/FP4 operands with UE8M0 scales applied by the tensor core): QMMA.SF.
+_BLOCK_SCALED = re.compile(r"\b[A-Z]*MMA\.SF\b")
 _GLOBAL_LOAD = re.compile(r"\b(LDGSTS|LDG)((?:\.\w+)*)(?=\s)")
 _LOCAL = re.compile(r"\b(STL|LDL)\b")
 
@@ -152,6 +155,7 @@ def cubin_resources(name: str, arch: int, num_warps: int, shared: int, cubin: by
         spill_stores=local_ops.count("STL"),
         spill_loads=local_ops.count("LDL"),
         tensor_core_ops=len(_TENSOR_CORE.findall(sass)),
+        block_scaled_mma=len(_BLOCK_SCALED.findall(sass)),
         global_loads=len(loads),
         global_loads_128=sum(".128" in suffix for suffix in loads),
         global_loads_u8=sum(".U8" in suffix or ".S8" in suffix for suffix in loads),
