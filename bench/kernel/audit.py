@@ -89,6 +89,21 @@ def _choice_list(choices):
     return parse
 
 
+def _stage1_config(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected BLOCK_H,BLOCK_T,WARPS,PREFETCH, four non-negative integers"
+        )
+    block_h, block_t, warps, prefetch = (int(p) for p in parts)
+    for name, value in (("BLOCK_H", block_h), ("BLOCK_T", block_t), ("WARPS", warps)):
+        if value < 1 or value & (value - 1):
+            raise argparse.ArgumentTypeError(f"{text!r}: {name} must be a power of two")
+    if prefetch > 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: PREFETCH is 0 or 1")
+    return block_h, block_t, warps, prefetch
+
+
 def _on_off(text: str) -> list[bool]:
     return [v == "on" for v in _choice_list(("on", "off"))(text)]
 
@@ -157,6 +172,13 @@ def parse_args(argv, targets):
         help="audit the kernel modules in this directory instead of the installed ones "
         f"({', '.join(m + '.py' for m in _KERNEL_MODULES)}, any subset), e.g. an older "
         "revision's: git show REV:overlay/sglang/kernels/ops/attention/FILE > DIR/FILE",
+    )
+    p.add_argument(
+        "--stage1-config",
+        type=_stage1_config,
+        help="compile stage 1 with this configuration instead of the one the kernel picks for "
+        "each target: BLOCK_H,BLOCK_T,WARPS,PREFETCH (for example 32,32,8,1), sized for one CTA "
+        "per SM; for trying a tile before changing sm120_mma_fit.CONFIGS (default: none)",
     )
     p.add_argument(
         "--kit",
@@ -290,7 +312,12 @@ def _padded_model(mma, torch, dev, shape: Shape, device: str) -> dict:
 
 
 def audit_target(
-    key: str, shapes: list[dict], target_ctas: str, kernel_dir: str | None, kit: str | None
+    key: str,
+    shapes: list[dict],
+    target_ctas: str,
+    kernel_dir: str | None,
+    kit: str | None,
+    stage1_config: tuple[int, int, int, int] | None = None,
 ) -> dict:
     """Audit one target over the shapes (runs in a worker process of its own)."""
     os.environ["SGLANG_SM120_MMA_TARGET_CTAS"] = target_ctas
@@ -312,6 +339,10 @@ def audit_target(
 
     mma = _load_kernel(Path(kernel_dir) if kernel_dir else None)
     fit = sys.modules.get(f"{_KERNEL_PACKAGE}.sm120_mma_fit")
+    if stage1_config is not None:
+        block_h, block_t, warps, prefetch = stage1_config
+        chosen = fit.LaunchConfig(block_h, block_t, warps, 1, prefetch, 1)
+        mma.config_for = lambda _arch, _shared: chosen
     if key == REAL_DEVICE:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         # No datasheet bandwidth for a device found at run time: the model prints bytes only.
@@ -582,7 +613,9 @@ def main(argv=None) -> int:
     start = time.monotonic()
     kernel_dir = str(args.kernel_dir.resolve()) if args.kernel_dir else None
     kit = str(args.kit.resolve()) if args.kit else None
-    jobs = [(key, shapes, args.target_ctas, kernel_dir, kit) for key in args.targets]
+    jobs = [
+        (key, shapes, args.target_ctas, kernel_dir, kit, args.stage1_config) for key in args.targets
+    ]
     args.jobs = min(args.jobs, len(jobs))
     print(
         f"kernel_audit: {len(shapes)} shapes x {len(args.targets)} targets, "
