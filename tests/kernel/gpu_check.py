@@ -3,9 +3,15 @@ own: the kernel tests' process runs Triton in interpreter mode, and that is fixe
 
   python tests/kernel/gpu_check.py compare   compiled mma vs upstream's torch reference
   python tests/kernel/gpu_check.py graph     CUDA graph capture + replay vs eager
+  python tests/kernel/gpu_check.py gather    the microbench's gather kernel vs torch indexing
+                                             of the same KV rows (bench/kernel/lib/gather.py)
+  python tests/kernel/gpu_check.py baseline --baseline DIR
+                                             the baseline kernel the microbench times as
+                                             mma-main (a GPU kit's baseline/) vs the reference
 
-Exits non-zero on the first mismatch. ``--device cpu`` (with TRITON_INTERPRET=1) runs the
-comparison part in the interpreter, to check this script itself on a machine without a GPU.
+Exits non-zero on the first mismatch. ``--device cpu`` (with TRITON_INTERPRET=1) runs compare,
+gather and baseline in the interpreter on fewer cases, to check this script itself on a machine
+without a GPU.
 """
 
 import argparse
@@ -36,6 +42,8 @@ DECODE_CASES = [
     Case(batch=7, heads=32, swa_topk=128, swa_page_size=256, extra_topk=1000, with_lengths=False),
 ]
 TARGETS = ("1", "auto", "512", "100000")
+# The interpreter's case for the baseline: holes, lengths, an empty request, both lists.
+BASELINE_CPU_CASES = [Case(batch=2, heads=16, swa_topk=45, extra_topk=77, empty_row=True)]
 
 
 def _run(kwargs):
@@ -53,6 +61,48 @@ def compare(device: str) -> None:
                 out, lse, *dispatch._sm120_sparse_decode_fwd(*reference_args(kwargs))
             )
             print(f"ok compare {ENV_NAME}={target} {case}", flush=True)
+
+
+def gather(device: str) -> None:
+    """The gather reads the rows the kernel reads: -1 holes, topk lengths, both lists."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.kernel.lib.gather import gather_kv_rows, reference_tile_words
+
+    cases = SMALL_CASES + (DECODE_CASES if device == "cuda" else [])
+    for case in cases:
+        kwargs = make_inputs(case, device)
+        lists = (
+            kwargs["k_cache"],
+            kwargs["indices"],
+            kwargs["topk_length"],
+            kwargs["extra_k_cache"],
+            kwargs["extra_indices_in_kvcache"],
+            kwargs["extra_topk_length"],
+        )
+        got = gather_kv_rows(*lists).cpu()
+        want = reference_tile_words(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in lists))
+        assert torch.equal(got, want), f"gather words differ at {int((got != want).sum())} tiles"
+        assert want.any(), "no tile read any bits: the check would pass by construction"
+        print(f"ok gather {case}", flush=True)
+
+
+def baseline(device: str, directory: Path) -> None:
+    """The baseline kernel (mma-main) against the reference, so before/after compare two
+    correct kernels."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.kernel.lib.gpu_kit import load_baseline
+
+    old = load_baseline(directory)
+    cases = (SMALL_CASES + DECODE_CASES) if device == "cuda" else BASELINE_CPU_CASES
+    for target in ("auto", "512") if device == "cuda" else ("100000",):
+        os.environ[ENV_NAME] = target
+        for case in cases:
+            kwargs = make_inputs(case, device)
+            out, lse = old.flash_mla_sparse_decode_mma(*reference_args(kwargs))
+            assert_matches_reference(
+                out, lse, *dispatch._sm120_sparse_decode_fwd(*reference_args(kwargs))
+            )
+            print(f"ok baseline {ENV_NAME}={target} {case}", flush=True)
 
 
 def _refill(static: dict, fresh: dict) -> None:
@@ -94,9 +144,14 @@ def graph() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("check", choices=("compare", "graph"))
+    parser.add_argument("check", choices=("compare", "graph", "gather", "baseline"))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--baseline", type=Path, help="baseline: the folder of the baseline kernel's files"
+    )
     args = parser.parse_args()
+    if args.check == "baseline" and args.baseline is None:
+        parser.error("baseline needs --baseline DIR (a GPU kit's baseline/)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("needs a CUDA device (use --device cpu with TRITON_INTERPRET=1)")
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -105,6 +160,10 @@ def main() -> int:
         parser.error("the graph check needs a CUDA device")
     if args.check == "compare":
         compare(args.device)
+    elif args.check == "gather":
+        gather(args.device)
+    elif args.check == "baseline":
+        baseline(args.device, args.baseline)
     else:
         graph()
     return 0
