@@ -7,20 +7,28 @@
 
 The session, each part in a process of its own with a time budget (a part that no longer fits
 is skipped and says so; elapsed time is printed per part):
-  1. correctness   tests/kernel/gpu_check.py compare (every case, every TARGET_CTAS value) and
-                   graph (CUDA graph capture and replay equal to eager)
+  1. correctness   tests/kernel/gpu_check.py compare (every case, every TARGET_CTAS value), graph
+                   (CUDA graph capture and replay equal to eager), gather (the bench's gather
+                   kernel reads the right rows) and baseline (the kit's baseline kernel is right)
   2. bandwidth     device-to-device copy bandwidth
-  3. audit         bench/kernel/audit on the real device (launches recorded) and on the virtual
+  3. bench         bench/kernel/microbench over its default grid with --padded-heads: the issue's
+                   target shapes first, then the rest while the budget lasts, keeping the time
+                   the parts after it need (copy bandwidth measured again in that run)
+  4. ncu           where Nsight Compute (ncu) is found: mma, mma-main and the gather at B=1 and
+                   64 (16 heads, extra 512) profiled; duration, DRAM bytes read against the
+                   unique bytes, top stall reasons (skipped, with the reason, without ncu)
+  5. audit         bench/kernel/audit on the real device (launches recorded) and on the virtual
                    H200; registers, shared memory and CTAs per SM compared shape by shape: a
                    mismatch means the virtual audit is wrong somewhere
-  4. bench         bench/kernel/microbench over its default grid with --padded-heads (copy bandwidth
-                   measured again in that run)
 
 The GPU machine has torch and triton but not sglang's dependencies, and no registry: the kernel
-comes from the kit (bench/kernel/lib/gpu_kit.py), the kernel and upstream's SM120 dispatch extracted
-from our patched wheel and imported without sglang's package chain. Output: gpu_session.json
-and kernel.png in --out. Exit status: 0; 1 when a correctness check fails; 3 when the real and
-virtual audits disagree (and none failed); 2 on bad arguments.
+comes from the kit (bench/kernel/lib/gpu_kit.py), the kernel and upstream's SM120 dispatch
+extracted from our patched wheel and imported without sglang's package chain, plus the baseline
+kernel (our kernel at --baseline-commit, from git) that the bench times as mma-main. Output in
+--out: gpu_session.json (everything), kernel.png, and the compact record (at most 200 KB) to
+copy into bench/kernel/results/. The summary prints the issue's targets as pass or fail. Exit
+status: 0; 1 when a correctness check fails; 3 when the real and virtual audits disagree (and
+none failed); 2 on bad arguments.
 """
 
 import argparse
@@ -38,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.kernel.lib.gpu_kit import DEFAULT_BASELINE_COMMIT  # noqa: E402
+
 DEFAULT_KIT = "build/gpu-kit"
 REHEARSE_VENV = "build/rehearse-venv"
 # The lent machine's versions (its image); the rehearsal installs the same.
@@ -48,10 +58,19 @@ REHEARSE_NUMPY = "2.3.5"
 KIT_LIMIT_BYTES = 50 * 1024 * 1024
 DEFAULT_BUDGET_S = 480
 RUN_TIMEOUT_S = 560
-# Seconds each part may take at most, in order; the bench takes what is left.
-PART_BUDGETS = {"correctness": 150, "bandwidth": 30, "audit": 150}
+# Seconds each part may take at most; the bench takes what is left after keeping ncu's and the
+# audit's.
+PART_BUDGETS = {"correctness": 150, "bandwidth": 20, "ncu": 60, "audit": 120}
+# The bench stops starting points this long before its part's end (start-up, one last point).
+BENCH_MARGIN_S = 30
 # Shapes the rehearsal audits (the GPU run audits the default grid).
 QUICK_AUDIT = ["--heads", "16,64", "--batch", "1,64", "--extra", "none,c4-512", "--sink", "on"]
+# The points Nsight Compute profiles.
+NCU_POINTS = ["--first", "none", "--batch", "1,64", "--heads", "16", "--extra", "512"]
+NCU_ROWS = ["--targets", "auto", "--backends", "mma,mma-main,gather"]
+# The rehearsal's bench: the microbench's plan, inputs and one call per row in the interpreter.
+DRY_RUN_BENCH = ["--dry-run", "--first", "none", "--batch", "2", "--heads", "16", "--swa", "16"]
+DRY_RUN_BENCH += ["--extra", "16", "--targets", "auto,64", "--backends", "mma,mma-main,gather"]
 
 
 def parse_args(argv):
@@ -73,6 +92,12 @@ def parse_args(argv):
     )
     mode.add_argument("--child", choices=("correctness", "bandwidth"), help=argparse.SUPPRESS)
     p.add_argument("--kit", type=Path, default=Path(DEFAULT_KIT), help="(default: %(default)s)")
+    p.add_argument(
+        "--baseline-commit",
+        default=DEFAULT_BASELINE_COMMIT,
+        help="--prepare: the commit whose kernel the kit carries as the baseline (mma-main), "
+        "taken with git show (default: %(default)s, main when issue 29 started)",
+    )
     p.add_argument(
         "--out",
         type=Path,
@@ -129,15 +154,23 @@ def _series_wheel() -> tuple[Path, str]:
     return wheels[0], label
 
 
-def prepare(kit: Path) -> int:
-    from bench.kernel.lib.gpu_kit import build_kit, kit_bytes
+def prepare(kit: Path, baseline_commit: str) -> int:
+    from bench.kernel.lib.gpu_kit import baseline_files, build_kit, kit_bytes
 
+    try:
+        baseline = baseline_files(ROOT, baseline_commit)
+    except ValueError as err:
+        sys.exit(f"gpu_session: --baseline-commit: {err}")
     wheel, label = _series_wheel()
     kit = kit if kit.is_absolute() else ROOT / kit
-    manifest = build_kit(wheel, kit, label)
+    manifest = build_kit(wheel, kit, label, baseline)
     size = kit_bytes(kit)
     rel = os.path.relpath(kit, ROOT)
     print(f"kit: {rel}: {len(manifest['files'])} files from {wheel.name}, {size:,} bytes")
+    print(
+        f"baseline (mma-main): {len(baseline[1])} files of commit {baseline[0][:12]} "
+        f"({baseline_commit})"
+    )
     if size > KIT_LIMIT_BYTES:
         print(f"gpu_session: the kit is over {KIT_LIMIT_BYTES // 2**20} MiB", file=sys.stderr)
         return 1
@@ -156,20 +189,27 @@ def prepare(kit: Path) -> int:
 
 
 def child_correctness(args) -> dict:
-    """gpu_check's compare and graph checks (compare only, interpreted, with --cpu)."""
-    from bench.kernel.lib.gpu_kit import activate
+    """gpu_check's compare, graph, gather and baseline checks (interpreted, without graph and
+    on fewer cases, with --cpu)."""
+    from bench.kernel.lib.gpu_kit import BASELINE_DIR, activate
 
     activate(args.kit)
     sys.path.insert(0, str(ROOT / "tests" / "kernel"))
     import gpu_check
 
     device = "cpu" if args.cpu else "cuda"
-    result = {"device": device, "compare": [], "graph": [], "skipped": []}
+    result = {"device": device, "compare": [], "graph": [], "gather": [], "baseline": []}
+    result["skipped"] = []
     _capture(result["compare"], gpu_check.compare, device)
     if device == "cuda":
         _capture(result["graph"], gpu_check.graph)
     else:
         result["skipped"].append("graph: CUDA graph capture needs a CUDA device")
+    _capture(result["gather"], gpu_check.gather, device)
+    if (args.kit / BASELINE_DIR).is_dir():
+        _capture(result["baseline"], gpu_check.baseline, device, args.kit / BASELINE_DIR)
+    else:
+        result["skipped"].append("baseline: the kit has no baseline/")
     return result
 
 
@@ -213,6 +253,7 @@ class Session:
         self.start = time.monotonic()
         self.parts: list[dict] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu-session-"))
+        self.out: Path | None = None
 
     def remaining(self) -> float:
         return self.args.budget_s - (time.monotonic() - self.start)
@@ -301,10 +342,61 @@ def _compare_audits(virtual: dict, real: dict) -> list[dict]:
     return mismatches
 
 
+def _bench(s: Session, rehearsal: bool) -> dict | None:
+    """The microbench part: the default grid on a GPU, keeping ncu's and the audit's time; a
+    dry run of one tiny point in the interpreter in the rehearsal."""
+    bench_json = s.tmp / "kernel.json"
+    cmd = [s.python, str(ROOT / "bench" / "kernel" / "microbench.py"), "--kit", str(s.args.kit)]
+    cmd += ["--json", str(bench_json)]
+    if rehearsal:
+        s.run("bench", [*cmd, *DRY_RUN_BENCH], 60, interpret=True)
+    else:
+        allowed = s.remaining() - PART_BUDGETS["ncu"] - PART_BUDGETS["audit"] - 5
+        cmd += ["--padded-heads", "--plot", str(s.out / "kernel.png")]
+        cmd += ["--time-budget-s", str(round(max(allowed - BENCH_MARGIN_S, 10), 1))]
+        s.run("bench", cmd, max(allowed, 20))
+    return json.loads(bench_json.read_text()) if bench_json.exists() else None
+
+
+def _ncu(s: Session, rehearsal: bool) -> dict:
+    """Nsight Compute at a few points, where ncu is found; the reason it was not run else."""
+    from bench.kernel.lib.ncu import find_ncu, match_probes, ncu_command, parse_details_csv
+
+    ncu = find_ncu()
+    if rehearsal:
+        why = "a GPU part; the rehearsal runs on CPU"
+        s.skip("ncu", f"{why} (ncu {'found at ' + ncu if ncu else 'not found'} here)")
+        return {"skipped": why, "ncu": ncu}
+    if ncu is None:
+        why = "Nsight Compute (ncu) is not on PATH nor under /usr/local/cuda*/bin"
+        s.skip("ncu", why)
+        return {"skipped": why}
+    log, probe = s.tmp / "ncu.csv", s.tmp / "ncu-probe.json"
+    program = [s.python, str(ROOT / "bench" / "kernel" / "microbench.py"), "--kit", str(s.args.kit)]
+    program += ["--ncu-probe", str(probe), *NCU_POINTS, *NCU_ROWS]
+    part = s.run("ncu", ncu_command(ncu, str(log), program), PART_BUDGETS["ncu"])
+    text = log.read_text(errors="replace") if log.exists() else ""
+    result = {"ncu": ncu, "log_tail": "\n".join(text.splitlines()[-15:])[-3000:]}
+    if probe.exists():
+        probes = json.loads(probe.read_text())["probes"]
+        result["rows"] = match_probes(probes, parse_details_csv(text))
+    part["rows"] = len(result.get("rows", []))
+    return result
+
+
+def _correctness_counts(result: dict | None) -> dict | None:
+    if not result:
+        return None
+    return {k: len(result.get(k, [])) for k in ("compare", "graph", "gather", "baseline")}
+
+
 def session(args, python: str, rehearsal: bool) -> int:
+    from bench.kernel.lib.results import compact_name, compact_record, verdict_lines, write_compact
+
     out = args.out or ROOT / "bench" / "results" / time.strftime("gpu-session-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     s = Session(args, python, rehearsal)
+    s.out = out
     from bench.kernel.lib.gpu_kit import activate
 
     manifest = activate(args.kit)
@@ -315,6 +407,7 @@ def session(args, python: str, rehearsal: bool) -> int:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "cuda": torch.version.cuda,
     }
     has_cuda = torch.cuda.is_available() and not rehearsal
     print(
@@ -337,6 +430,8 @@ def session(args, python: str, rehearsal: bool) -> int:
         s.skip("bandwidth", "a timing part; the rehearsal runs on CPU")
     else:
         s.child("bandwidth", PART_BUDGETS["bandwidth"])
+    bench = _bench(s, rehearsal)
+    ncu = _ncu(s, rehearsal)
 
     audits = {}
     audit_args = QUICK_AUDIT if rehearsal else []
@@ -357,22 +452,12 @@ def session(args, python: str, rehearsal: bool) -> int:
         mismatches = _compare_audits(audits["h200"], audits["cuda"])
         print(f"   audit comparison: {len(mismatches)} shape(s) differ", flush=True)
 
-    bench = None
-    if rehearsal:
-        s.skip("bench", "a timing part; the rehearsal runs on CPU")
-    else:
-        bench_json, plot = s.tmp / "kernel.json", out / "kernel.png"
-        budget = s.remaining() - 10
-        cmd = [python, str(ROOT / "bench" / "kernel" / "microbench.py"), "--kit", str(args.kit)]
-        cmd += ["--padded-heads", "--json", str(bench_json), "--plot", str(plot)]
-        cmd += ["--time-budget-s", str(max(budget - 60, 10))]
-        s.run("bench", cmd, budget)
-        if bench_json.exists():
-            bench = json.loads(bench_json.read_text())
-
     failed_checks = [
         p["part"] for p in s.parts if p["part"] == "correctness" and p["status"] != "ok"
     ]
+    kit_facts = {"label": manifest["label"], "wheel": manifest["wheel"]}
+    if "baseline" in manifest:
+        kit_facts["baseline_commit"] = manifest["baseline"]["commit"]
     doc = {
         "kind": "rehearsal (CPU, interpreter)" if rehearsal else "GPU session",
         "device": "CPU" if rehearsal else torch.cuda.get_device_name(),
@@ -385,12 +470,36 @@ def session(args, python: str, rehearsal: bool) -> int:
         "audits": audits,
         "audit_mismatches": mismatches,
         "bench": bench,
+        "ncu": ncu,
     }
     (out / "gpu_session.json").write_text(json.dumps(doc, indent=1))
+    session_facts = {
+        "kind": doc["kind"],
+        "device": doc["device"],
+        "time": doc["time"],
+        "wall_s": doc["wall_s"],
+        "versions": versions,
+        "kit": kit_facts,
+        "parts": [
+            {k: p[k] for k in ("part", "status", "seconds", "why") if k in p} for p in s.parts
+        ],
+        "correctness": _correctness_counts(doc["correctness"]),
+        "audit_mismatches": None if mismatches is None else len(mismatches),
+        "ncu": ncu.get("rows", ncu.get("skipped")),
+    }
+    record = compact_record(bench or {}, session_facts)
+    compact = out / compact_name(record)
+    size = write_compact(record, compact)
     shutil.rmtree(s.tmp, ignore_errors=True)
     print(f"\ngpu_session: {doc['wall_s']} s; results in {out / 'gpu_session.json'}")
     for part in s.parts:
         print(f"  {part['part']:<12} {part['status']:<9} {part.get('seconds', '')}")
+    print("targets (mma at auto, graph replay with L2 cold):")
+    print("\n".join(verdict_lines(record["targets"])))
+    print(
+        f"compact record: {compact} ({size:,} bytes); copy it into bench/kernel/results/",
+        flush=True,
+    )
     if failed_checks:
         print("gpu_session: FAILED: a correctness check failed", file=sys.stderr)
         return 1
@@ -449,7 +558,7 @@ def main(argv=None) -> int:
         args.child_out.write_text(json.dumps(result))
         return 0
     if args.prepare:
-        return prepare(args.kit)
+        return prepare(args.kit, args.baseline_commit)
     args.kit = args.kit if args.kit.is_absolute() else ROOT / args.kit
     if not (args.kit / "kit_manifest.json").is_file():
         sys.exit(f"gpu_session: no kit at {args.kit}; run bench/kernel/gpu_session --prepare first")

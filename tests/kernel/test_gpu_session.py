@@ -14,6 +14,8 @@ SESSION = ROOT / "bench" / "kernel" / "gpu_session.py"
 sys.path.insert(0, str(ROOT))
 
 from bench.kernel.gpu_session import _compare_audits  # noqa: E402
+from bench.kernel.lib.gpu_kit import BASELINE_FILES, BASELINE_SOURCE_DIR  # noqa: E402
+from bench.kernel.lib.results import COMPACT_LIMIT_BYTES  # noqa: E402
 
 
 def _run(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
@@ -50,6 +52,30 @@ def test_prepare_builds_a_small_kit_of_the_current_series_and_prints_the_call(ki
     for name in manifest["files"]:
         assert (path / name).is_file()
     assert "carry:" in stdout and "gpu_session.py --kit" in stdout and "timeout_s:" in stdout
+
+
+def test_prepare_puts_the_baseline_kernel_from_git_in_the_kit(kit):
+    path, stdout = kit
+    baseline = json.loads((path / "kit_manifest.json").read_text())["baseline"]
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "dc905b5"], capture_output=True, text=True
+    ).stdout.strip()
+    assert baseline["commit"] == commit and f"commit {commit[:12]}" in stdout
+    assert sorted(baseline["files"]) == sorted(BASELINE_FILES)
+    for name in BASELINE_FILES:
+        shown = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{commit}:{BASELINE_SOURCE_DIR}/{name}"],
+            capture_output=True,
+        ).stdout
+        assert (path / "baseline" / name).read_bytes() == shown
+
+
+def test_prepare_refuses_an_unknown_baseline_commit(tmp_path):
+    done = _run(
+        str(SESSION), "--prepare", "--kit", str(tmp_path / "kit"), "--baseline-commit", "nope"
+    )
+    assert done.returncode != 0 and "--baseline-commit" in done.stderr
+    assert not (tmp_path / "kit").exists()
 
 
 _KIT_IMPORT = """
@@ -93,7 +119,7 @@ def test_kit_refuses_to_mix_with_an_imported_sglang(kit):
     assert done.returncode != 0 and "activate the kit first" in done.stderr
 
 
-def test_rehearsal_runs_the_sequence_and_writes_one_json(kit, tmp_path):
+def test_rehearsal_runs_the_sequence_and_writes_the_json_and_the_compact_record(kit, tmp_path):
     path, _ = kit
     done = _run(
         str(SESSION),
@@ -106,23 +132,46 @@ def test_rehearsal_runs_the_sequence_and_writes_one_json(kit, tmp_path):
         str(tmp_path),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_session.json"]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) == 2 and names[1] == "gpu_session.json", names
     doc = json.loads((tmp_path / "gpu_session.json").read_text())
     status = {p["part"]: p["status"] for p in doc["parts"]}
     assert status == {
         "correctness": "ok",
         "bandwidth": "skipped",
+        "bench": "ok",
+        "ncu": "skipped",
         "audit h200": "ok",
         "audit cuda": "skipped",
-        "bench": "skipped",
     }
-    # gpu_check's CPU mode: its five small cases at one split and at the most splits.
-    assert len(doc["correctness"]["compare"]) == 10
+    # gpu_check's CPU mode: its five small cases at one split and at the most splits; the
+    # gather on the same five; the kit's baseline kernel on one case.
+    counts = {k: len(doc["correctness"][k]) for k in ("compare", "graph", "gather", "baseline")}
+    assert counts == {"compare": 10, "graph": 0, "gather": 5, "baseline": 1}
     assert doc["audits"]["h200"]["findings"] == []
     assert all("why" in p for p in doc["parts"] if p["status"] == "skipped")
-    # Elapsed time per part, and a reason for each skipped one, on the console too.
+    # The bench's dry run: every row ran once through the kit, the baseline beside the kernel.
+    rows = {(r["backend"], r["target_ctas"]): r for r in doc["bench"]["results"]}
+    assert set(rows) == {
+        ("mma", "auto"),
+        ("mma", "64"),
+        ("mma-main", "auto"),
+        ("mma-main", "64"),
+    } | {("gather", None)}
+    assert not [r for r in rows.values() if "error" in r]
+    assert all(isinstance(rows[(b, t)]["splits"], int) for b, t in rows if b != "gather")
+    assert doc["bench"]["baseline"]["commit"] == doc["kit"]["baseline"]["commit"]
+    # The compact record: small, the session's facts, the targets not measured on CPU.
+    compact = tmp_path / names[0]
+    record = json.loads(compact.read_text())
+    assert compact.stat().st_size <= COMPACT_LIMIT_BYTES and record["kind"].startswith("rehearsal")
+    assert record["kit"]["label"] == doc["kit"]["label"] and record["correctness"] == counts
+    assert {v["status"] for v in record["targets"]} == {"not measured"}
+    assert len(record["points"]) == 1 and len(record["points"][0]["rows"]) == 5
+    # Elapsed time per part, a reason for each skipped one, the targets and the compact record.
     assert done.stdout.count(" s\n") >= 2 and "ok in " in done.stdout
-    assert "== bench: skipped, a timing part" in done.stdout
+    assert "== ncu: skipped, a GPU part" in done.stdout
+    assert "not measured" in done.stdout and f"compact record: {compact}" in done.stdout
 
 
 def _audit_doc(registers: int, splits: int) -> dict:
