@@ -228,10 +228,16 @@ def _load_kernel(kernel_dir: Path | None):
     return importlib.import_module(f"{_KERNEL_PACKAGE}.flash_mla_sm120_mma")
 
 
+def _alloc(torch, device: str):
+    """torch.zeros on a real device (its kernels read the buffers); torch.empty on the CPU,
+    where a virtual device only compiles and records, and nothing reads their contents."""
+    return torch.empty if device == "cpu" else torch.zeros
+
+
 def _cache(torch, page_size: int, device: str, pages: int = 2):
     """A small [pages, page_size, 1, 584] page buffer: the launch depends on its strides only."""
     page_bytes = -(-page_size * BYTES_PER_TOKEN // 576) * 576
-    raw = torch.zeros(pages, page_bytes, dtype=torch.uint8, device=device)
+    raw = _alloc(torch, device)(pages, page_bytes, dtype=torch.uint8, device=device)
     return raw.view(torch.float8_e4m3fn).as_strided(
         (pages, page_size, 1, BYTES_PER_TOKEN), (page_bytes, BYTES_PER_TOKEN, BYTES_PER_TOKEN, 1)
     )
@@ -243,21 +249,22 @@ def _launch_args(torch, shape: Shape, device: str = "cpu") -> tuple:
     bounds."""
     b, h = shape.batch, shape.heads
     extra_tokens, extra_page = EXTRAS[shape.extra]
+    fill = _alloc(torch, device)
     i32 = {"dtype": torch.int32, "device": device}
     lengths = torch.full((b,), SWA_TOKENS, **i32) if shape.lengths else None
     extra = (None, None, None)
     if extra_tokens:
         extra = (
             _cache(torch, extra_page, device),
-            torch.zeros(b, 1, extra_tokens, **i32),
+            fill(b, 1, extra_tokens, **i32),
             torch.full((b,), extra_tokens, **i32) if shape.lengths else None,
         )
     return (
-        torch.zeros(b, 1, h, HEAD_DIM, dtype=torch.bfloat16, device=device),
+        fill(b, 1, h, HEAD_DIM, dtype=torch.bfloat16, device=device),
         _cache(torch, SWA_PAGE, device),
-        torch.zeros(b, 1, SWA_TOKENS, **i32),
+        fill(b, 1, SWA_TOKENS, **i32),
         lengths,
-        torch.zeros(h, dtype=torch.float32, device=device) if shape.sink else None,
+        fill(h, dtype=torch.float32, device=device) if shape.sink else None,
         HEAD_DIM,
         HEAD_DIM**-0.5,
         *extra,

@@ -120,19 +120,18 @@ _LOCAL = re.compile(r"\b(STL|LDL)\b")
 
 
 def _read_cubin(cubin: bytes) -> tuple[str, str]:
+    """(resource usage, SASS) of a cubin, from one cuobjdump run that prints both (the resource
+    lines name no instruction, so the SASS counts are not disturbed by them)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run(
-            [_tool("cuobjdump"), "--dump-resource-usage", f.name],
+        both = subprocess.run(
+            [_tool("cuobjdump"), "--dump-resource-usage", "--dump-sass", f.name],
             check=True,
             capture_output=True,
             text=True,
         ).stdout
-        sass = subprocess.run(
-            [_tool("cuobjdump"), "--dump-sass", f.name], check=True, capture_output=True, text=True
-        ).stdout
-    return usage, sass
+    return both, both
 
 
 @lru_cache(maxsize=256)
