@@ -88,7 +88,7 @@ def parse_args(argv):
         help=f"run the sequence on CPU under TRITON_INTERPRET=1 with tiny cases, in a Python "
         f"{DEVICE_VERSIONS['python']} venv with torch {DEVICE_VERSIONS['torch']} and triton "
         f"{DEVICE_VERSIONS['triton']} ({REHEARSE_VENV}, created on first use, with numpy "
-        f"{REHEARSE_NUMPY}); timing parts are skipped",
+        f"{REHEARSE_NUMPY}); the bench runs as a dry run, the other timing parts are skipped",
     )
     mode.add_argument("--child", choices=("correctness", "bandwidth"), help=argparse.SUPPRESS)
     p.add_argument("--kit", type=Path, default=Path(DEFAULT_KIT), help="(default: %(default)s)")
@@ -102,8 +102,8 @@ def parse_args(argv):
         "--out",
         type=Path,
         default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
-        help="where gpu_session.json and kernel.png go (default: $OUT, else "
-        "bench/results/gpu-session-TIME)",
+        help="where gpu_session.json, kernel.png and the compact record go (default: $OUT, "
+        "else bench/results/gpu-session-TIME)",
     )
     p.add_argument(
         "--budget-s",

@@ -39,6 +39,7 @@ Needs a CUDA device and the patched sglang (or --kit); exits with a message othe
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -443,9 +444,6 @@ class Bench:
             if backend in DISPATCH_BACKENDS:
                 # Upstream reads SGLANG_SM120_FLASHMLA_BACKEND once, at import.
                 dispatch._sm120_default_backend = backend
-            for module in self.entries["_split_modules"]:
-                # Log the split choice again for this row, even for a shape logged before.
-                getattr(module, "_logged", set()).clear()
 
         return select
 
@@ -457,12 +455,12 @@ class Bench:
             return
         try:
             row.select()
-            self.split_log.take_splits()
-            row.calls[0]()
-            self._sync()
-            with self.recorder:
+            with self._split_choice_logged():
                 row.calls[0]()
                 self._sync()
+                with self.recorder:
+                    row.calls[0]()
+                    self._sync()
             row.record["launches"] = list(self.recorder.launches)
             row.record["splits"] = self.split_log.take_splits()
             if self.timer is None:
@@ -489,6 +487,22 @@ class Bench:
             # Not tried again for this backend: a failed capture is not worth repeating.
             self.uncapturable[row.backend] = f"not captured (first failure: {_error(err)})"
             self._recover()
+
+    @contextlib.contextmanager
+    def _split_choice_logged(self):
+        """The kernels log each split choice once per shape and knob value: let them log it
+        again inside the block (a shape may have been logged at an earlier row), and keep every
+        shape known after it, so that no timed call pays for logging."""
+        self.split_log.take_splits()
+        modules = [m for m in self.entries["_split_modules"] if hasattr(m, "_logged")]
+        known = [set(m._logged) for m in modules]
+        for module in modules:
+            module._logged.clear()
+        try:
+            yield
+        finally:
+            for module, keys in zip(modules, known, strict=True):
+                module._logged |= keys
 
     def _recover(self) -> None:
         try:

@@ -129,7 +129,8 @@ def test_launch_recorder_sees_a_compiled_triton_launch():
 
 class _FakeTimer:
     """Stands in for the CUDA timer so the bench's plan runs on CPU: the rows' calls run (in
-    the interpreter) when the bench makes them, the samples are made-up numbers."""
+    the interpreter) when the bench makes them and in the host samples; the numbers are made
+    up."""
 
     def __init__(self):
         self.graph_samples = 0
@@ -147,6 +148,8 @@ class _FakeTimer:
         return 10.0 + self.graph_samples
 
     def host_sample(self, calls, head_start_us):
+        for call in calls:
+            call()
         return 20.0, head_start_us > 2000
 
 
@@ -168,6 +171,8 @@ def test_the_bench_loop_samples_every_row_and_records_what_fails():
     (point,) = microbench.plan_points(args)
     try:
         records = bench.run_point(point)
+        # The split choice was logged for the probe call only: no timed call paid for logging.
+        assert split_log.messages == []
     finally:
         split_log.close()
     rows = {r["backend"]: r for r in records}
