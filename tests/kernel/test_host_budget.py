@@ -7,7 +7,6 @@ the launcher's own work; their numerics are checked in test_mma_decode.py.
 """
 
 import pytest
-import torch
 from cases import Case, make_inputs, reference_args
 from sglang.kernels.ops.attention import flash_mla_sm120_mma as mma
 from sglang.kernels.ops.attention.sm120_mma_splits import ENV_NAME
