@@ -98,21 +98,20 @@ TARGET_SLOTS = {
 TILE_COUNTS = (4, 20, 68, 20)
 
 
+def _auto_on(key: str, batch: int, head_blocks: int, num_tiles: int) -> int:
+    sms, per_sm = TARGET_SLOTS[key]
+    shape = _shape(
+        batch=batch, head_blocks=head_blocks, num_tiles=num_tiles, num_sms=sms, ctas_per_sm=per_sm
+    )
+    return split_count_for(None, **shape)
+
+
 @pytest.mark.parametrize("key", TARGET_SLOTS)
 def test_auto_gives_a_single_request_a_wave_or_at_most_two_tiles_per_cta(key):
     sms, per_sm = TARGET_SLOTS[key]
     for num_tiles in (*TILE_COUNTS, 1, 7, 200, 1000):
         for head_blocks in (1, 2, 4, 8):
-            n = split_count_for(
-                None,
-                **_shape(
-                    batch=1,
-                    head_blocks=head_blocks,
-                    num_tiles=num_tiles,
-                    num_sms=sms,
-                    ctas_per_sm=per_sm,
-                ),
-            )
+            n = _auto_on(key, 1, head_blocks, num_tiles)
             ctas, per_cta = head_blocks * n, -(-num_tiles // n)
             assert ctas <= sms * per_sm or n == 1, (num_tiles, head_blocks, n)
             # One or two tiles per CTA, or as few as one wave allows: walking one tile fewer
@@ -132,16 +131,7 @@ def test_auto_gives_one_split_once_the_batch_fills_the_gpu(key):
         full = -(-sms * per_sm // head_blocks)
         for batch in (full, full + 1, 2 * full, 4 * full):
             for num_tiles in (*TILE_COUNTS, 1, 1000):
-                n = split_count_for(
-                    None,
-                    **_shape(
-                        batch=batch,
-                        head_blocks=head_blocks,
-                        num_tiles=num_tiles,
-                        num_sms=sms,
-                        ctas_per_sm=per_sm,
-                    ),
-                )
+                n = _auto_on(key, batch, head_blocks, num_tiles)
                 assert n == 1, (batch, head_blocks, num_tiles, n)
 
 
@@ -152,16 +142,7 @@ def test_auto_never_launches_an_empty_cta_or_more_than_three_waves_of_splits(key
     for batch in (1, 2, 3, 8, 16, 31, 64, 96, 128, 200):
         for head_blocks in (1, 2, 4, 8):
             for num_tiles in range(1, 80):
-                n = split_count_for(
-                    None,
-                    **_shape(
-                        batch=batch,
-                        head_blocks=head_blocks,
-                        num_tiles=num_tiles,
-                        num_sms=sms,
-                        ctas_per_sm=per_sm,
-                    ),
-                )
+                n = _auto_on(key, batch, head_blocks, num_tiles)
                 per_split = -(-num_tiles // n)
                 assert (n - 1) * per_split < num_tiles
                 assert n == 1 or -(-batch * head_blocks * n // slots) <= 3
