@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from launch.pdlib import checks, envcheck, envfiles, monitoring, rotation, systemd_units
+from launch.pdlib import checks, envcheck, envfiles, loadfiles, monitoring, rotation, systemd_units
 from launch.pdlib.envfiles import EnvFileError, Redactor
 from launch.pdlib.files import write_whole
 from launch.pdlib.stack import ROOT, Role, Stack, load_stack
@@ -120,6 +120,7 @@ def cmd_up(args) -> int:
             return 1
         out(f"{role.name}: healthy ({role.health_url})")
         if role.kind != "router":
+            loadfiles.remember(stack.run_dir, role.key, sup.processes(role.key))
             _started(stack, role, out)
         elif not _routes_to_all(stack, role, out):
             return 1
@@ -193,6 +194,8 @@ def _restart_healthy(stack: Stack, sup, role: Role, out, log_lines: int, tag: st
     if not health.ok:
         _show_failure(out, sup, role, health.detail, log_lines)
         return None
+    if role.kind != "router":
+        loadfiles.remember(stack.run_dir, role.key, sup.processes(role.key))
     detect = ""
     if health.detected_after_ready_s is not None:
         detect = f", seen {health.detected_after_ready_s:.2f} s after it reported ready"

@@ -30,6 +30,15 @@ def read(url: str, api_key: str = "", timeout_s: float = 5.0) -> list[dict] | st
         return "GET /v1/loads: not the JSON sglang answers"
     if not isinstance(loads, list) or not all(isinstance(x, dict) for x in loads):
         return "GET /v1/loads: not the JSON sglang answers"
+    stale = [x for x in loads if x.get("stale")]
+    if stale:
+        # Patch 0021: the scheduler kept its snapshot file locked, so the engine answered the
+        # last snapshot it read. That is no state: it says nothing of what the engine holds now.
+        age = max(float(x.get("snapshot_age_s") or 0) for x in stale)
+        return (
+            f"GET /v1/loads: stale: the scheduler holds its snapshot file locked (stopped or "
+            f"wedged while publishing?); the last snapshot read is {age:.1f} s old"
+        )
     return loads
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 
+from launch.pdlib import loadfiles
 from launch.pdlib.stack import ROOT, Role, Stack
 
 
@@ -139,12 +140,26 @@ class LocalSupervisor:
         self.pid_file(role.key).write_text(json.dumps(record) + "\n")
         return State(True, proc.pid, f"started, pid {proc.pid}")
 
-    def stop(self, role: Role) -> State:
-        proc = self._recorded(role.key)
+    def processes(self, role: str) -> list[psutil.Process]:
+        """The instance's process group as it runs now: its main process and their children."""
+        proc = self._recorded(role)
         if proc is None:
+            return []
+        try:
+            return [proc] + proc.children(recursive=True)
+        except psutil.Error:
+            return [proc]
+
+    def stop(self, role: Role) -> State:
+        """SIGTERM to the process group, SIGKILL after the grace; then its load snapshot file
+        goes (launch/pdlib/loadfiles.py), also when the instance had already died."""
+        group = self.processes(role.key)
+        if not group:
             self.pid_file(role.key).unlink(missing_ok=True)
-            return State(False, None, "was not running")
-        group = [proc] + proc.children(recursive=True)
+            gone = loadfiles.remove(self.run_dir, role.key, set(), [])
+            return State(False, None, "was not running" + loadfiles.said(gone))
+        proc = group[0]
+        names = loadfiles.open_by(group)
         try:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -162,6 +177,7 @@ class LocalSupervisor:
                 f" (killed {len(alive)} process(es) still alive after {self.stop_grace_s:g} s)"
             )
         self.pid_file(role.key).unlink(missing_ok=True)
+        detail += loadfiles.said(loadfiles.remove(self.run_dir, role.key, names, group))
         owner = port_owner(role.port)
         if owner is not None:
             raise SuperviseError(
@@ -275,7 +291,25 @@ class SystemdSupervisor:
             running, pid, f"unit {self.unit(role)} {active}" + (f", pid {pid}" if pid else "")
         )
 
+    def processes(self, role: str) -> list[psutil.Process]:
+        """The unit's main process and its children, while it runs."""
+        pid = self._main_pid(role)
+        try:
+            proc = psutil.Process(pid) if pid else None
+            return [proc] + proc.children(recursive=True) if proc else []
+        except psutil.Error:
+            return []
+
     def _drive(self, verb: str, role: Role) -> State:
+        stopping = self.processes(role.key) if verb in ("stop", "restart") else []
+        names = loadfiles.open_by(stopping)
+        state = self._systemctl_drive(verb, role)
+        if verb in ("stop", "restart"):
+            gone = loadfiles.remove(self.stack.run_dir, role.key, names, stopping)
+            state = State(state.running, state.pid, state.detail + loadfiles.said(gone))
+        return state
+
+    def _systemctl_drive(self, verb: str, role: Role) -> State:
         try:
             done = self._systemctl(verb, self.unit(role.key))
         except subprocess.TimeoutExpired:

@@ -78,6 +78,15 @@ class _Server:
         (401, b"Unauthorized", "GET /v1/loads: 401"),
         (200, b"<html>", "GET /v1/loads: not the JSON sglang answers"),
         (200, b'{"loads": 3}', "GET /v1/loads: not the JSON sglang answers"),
+        # Patch 0021: the snapshot file stayed locked, the engine answered its last read.
+        (
+            200,
+            json.dumps(
+                {"loads": [dict(PREFILL_ROOM_INFLIGHT, stale=1, snapshot_age_s=12.34)]}
+            ).encode(),
+            "GET /v1/loads: stale: the scheduler holds its snapshot file locked (stopped or "
+            "wedged while publishing?); the last snapshot read is 12.3 s old",
+        ),
     ],
 )
 def test_read_sends_the_key_and_says_what_was_wrong(status, body, expected):
