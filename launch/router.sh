@@ -35,7 +35,10 @@ main() {
     CMD+=(--prefill "http://$PREFILL_HOST:$PREFILL_PORT" "$PREFILL_BOOTSTRAP_PORT"
       --decode "http://$DECODE_HOST:$DECODE_PORT")
   fi
-  CMD+=(--host "$ROUTER_HOST" --port "$ROUTER_PORT" --prometheus-port "$ROUTER_PROMETHEUS_PORT")
+  # smg's own default puts its Prometheus endpoint on every interface (0.0.0.0, or :: for an
+  # IPv6 --host); here it listens on the router's host unless ROUTER_PROMETHEUS_HOST says where.
+  CMD+=(--host "$ROUTER_HOST" --port "$ROUTER_PORT" --prometheus-port "$ROUTER_PROMETHEUS_PORT"
+    --prometheus-host "${ROUTER_PROMETHEUS_HOST:-$ROUTER_HOST}")
   if [[ -n "${API_KEY:-}" ]]; then
     # Not --api-key on smg's command line (any local user reads it): the key goes to a 0600 file
     # and launch/smg_keyfile.py hands it to smg inside the process.

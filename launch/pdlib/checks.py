@@ -14,7 +14,7 @@ import psutil
 from launch.pdlib.envfiles import REDACTED, is_secret
 from launch.pdlib.promtext import sample_sums
 from launch.pdlib.rotation import list_workers
-from launch.pdlib.stack import ROOT, Reply, Role, Stack, from_root, http
+from launch.pdlib.stack import ROOT, Reply, Role, Stack, from_root, http, router_metrics_host
 from launch.pdlib.supervise import port_owner
 from launch.pdlib.unresponsive import (
     NOTHING_ANSWERED,
@@ -346,9 +346,9 @@ def metrics_lines(stack: Stack) -> list[tuple[bool, str]]:
         out.append((True, f"{role.name}: " + " ".join(shown)))
     if "router" not in stack.roles:
         return out
-    router = stack.role("router")
-    port = stack.env.role_env("router").get("ROUTER_PROMETHEUS_PORT", "")
-    reply = http(f"http://{router.host}:{port}/metrics", timeout=5.0)
+    router_env = stack.env.role_env("router")
+    port = router_env.get("ROUTER_PROMETHEUS_PORT", "")
+    reply = http(f"http://{router_metrics_host(router_env)}:{port}/metrics", timeout=5.0)
     if reply.status != 200:
         out.append((False, f"router: metrics unavailable ({reply.status or reply.error})"))
     else:

@@ -10,6 +10,7 @@ continuations.
 from __future__ import annotations
 
 import datetime as _dt
+import ipaddress
 import json
 import re
 import shutil
@@ -25,7 +26,17 @@ SECRET_RE = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNO
 REDACTED = "<redacted>"
 # Variables the running processes read from their environment (as opposed to our own launch
 # settings): these are what `verify` compares against /proc/PID/environ.
-KNOB_PREFIXES = ("SGLANG_", "SGL_", "NCCL_", "NVSHMEM_", "UCX_", "NIXL_", "CUDA_", "TORCH_")
+KNOB_PREFIXES = (
+    "SGLANG_",
+    "SGL_",
+    "NCCL_",
+    "NVSHMEM_",
+    "UCX_",
+    "NIXL_",
+    "CUDA_",
+    "TORCH_",
+    "GLOO_",
+)
 
 
 class EnvFileError(ValueError):
@@ -213,15 +224,20 @@ OUR_KNOBS = {
 UPSTREAM_CHECKED = {
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "a positive whole number of seconds",
 }
-# Launch settings whose form is fixed by the program they are passed to (smg takes whole
-# seconds); checked with the knobs so a bad one is refused before a launch too.
 # Variables upstream reads with os.getenv outside its env registry, so the registry check
 # would call them typos: SGLANG_USE_CPU_ENGINE (srt/utils/common.py is_cpu) and SGLANG_HOST_IP
 # (srt/utils/network.py, the address the PD bootstrap advertises).
 UPSTREAM_UNREGISTERED = {"SGLANG_USE_CPU_ENGINE", "SGLANG_HOST_IP"}
+# Launch settings whose form is fixed by the program they are passed to (smg takes whole
+# seconds, and a bare host for --prometheus-host); checked with the knobs so a bad one is
+# refused before a launch too.
 LAUNCH_SETTINGS = {
     "ROUTER_SHUTDOWN_GRACE_S": "a whole number of seconds, or empty for smg's default",
+    "ROUTER_PROMETHEUS_HOST": (
+        "a host name or an IP address (no scheme, no port), or empty for ROUTER_HOST"
+    ),
 }
+HOST_NAME_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 
 
 def knob_value_error(key: str, value: str) -> str | None:
@@ -239,10 +255,20 @@ def knob_value_error(key: str, value: str) -> str | None:
         ok = value.isdigit() and int(value) > 0
     elif key == "ROUTER_SHUTDOWN_GRACE_S":
         ok = re.fullmatch(r"[0-9]*", value) is not None
+    elif key == "ROUTER_PROMETHEUS_HOST":
+        ok = value == "" or _is_ip(value) or HOST_NAME_RE.fullmatch(value) is not None
     else:
         return None
     rule = (OUR_KNOBS | UPSTREAM_CHECKED | LAUNCH_SETTINGS)[key]
     return None if ok else f"{key}={value!r}: must be {rule}"
+
+
+def _is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
 
 
 def registered_sglang_names() -> tuple[set[str], str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import random
@@ -241,9 +242,48 @@ def load_stack(env_dir: Path, sim: bool, timeout_override: float | None = None) 
     )
 
 
+WILDCARDS = ("0.0.0.0", "::")
+
+
+def normal(address: str) -> str:
+    """One spelling per address: an IPv4-mapped IPv6 address as its IPv4, no zone index."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+def addresses_of(host: str) -> set[str]:
+    """Every address the host resolves to; the host itself when it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return {normal(host)}
+    return {normal(info[4][0]) for info in infos}
+
+
+def router_prometheus_host(values: dict[str, str]) -> tuple[str, str]:
+    """(variable, host) where smg's Prometheus endpoint listens: ROUTER_PROMETHEUS_HOST when
+    set, else the router's own host (launch/router.sh passes it as --prometheus-host)."""
+    if values.get("ROUTER_PROMETHEUS_HOST"):
+        return "ROUTER_PROMETHEUS_HOST", values["ROUTER_PROMETHEUS_HOST"]
+    return "ROUTER_HOST", values.get("ROUTER_HOST", "")
+
+
+def router_metrics_host(values: dict[str, str]) -> str:
+    """Where a client reaches smg's Prometheus endpoint: its host, or the router's own host
+    when it listens on a wildcard address."""
+    _, host = router_prometheus_host(values)
+    return values.get("ROUTER_HOST", "") if host in WILDCARDS else host
+
+
 def topology_problems(env: EnvDir, notes: list[str]) -> list[str]:
     """Ports unique per host, every decode able to reach every prefill's bootstrap port (smg
-    pairs any prefill with any decode), host names that resolve."""
+    pairs any prefill with any decode), host names that resolve (the router's Prometheus host
+    among them), each engine's SGLANG_HOST_IP on its own host."""
     try:
         stack = load_stack(env.path, sim=False)
     except EnvFileError as exc:
@@ -258,8 +298,18 @@ def topology_problems(env: EnvDir, notes: list[str]) -> list[str]:
         except OSError as exc:
             where = env.origin(role.kind, role.index, f"{role.kind.upper()}_HOST")
             problems.append(f"{where}: host {role.host!r} of {role.name} does not resolve ({exc})")
+    router_values = env.role_env("router")
+    metrics_key, metrics_host = router_prometheus_host(router_values)
+    if metrics_key == "ROUTER_PROMETHEUS_HOST":
+        try:
+            socket.getaddrinfo(metrics_host, None)
+        except OSError as exc:
+            problems.append(
+                f"{env.origin('router', None, metrics_key)}: host {metrics_host!r} of the "
+                f"router's Prometheus endpoint does not resolve ({exc})"
+            )
     taken: dict[tuple[str, int], str] = {}
-    prometheus = env.role_env("router").get("ROUTER_PROMETHEUS_PORT", "")
+    prometheus = router_values.get("ROUTER_PROMETHEUS_PORT", "")
     for role in stack.roles.values():
         upper = role.kind.upper()
         ports = [(f"{upper}_PORT", role.port), ("PREFILL_BOOTSTRAP_PORT", role.bootstrap_port)]
@@ -277,6 +327,17 @@ def topology_problems(env: EnvDir, notes: list[str]) -> list[str]:
             else:
                 taken[place] = f"{role.name}'s {key}"
     prefills, decodes = stack.of_kind("prefill"), stack.of_kind("decode")
+    for role in prefills + decodes:
+        advertised = env.role_env(role.kind, role.index).get("SGLANG_HOST_IP", "")
+        if not advertised or role.host in WILDCARDS:
+            continue
+        if addresses_of(advertised).isdisjoint(addresses_of(role.host)):
+            problems.append(
+                f"{env.origin(role.kind, role.index, 'SGLANG_HOST_IP')}={advertised}: "
+                f"{role.name}'s PD sockets would listen there and the other engines connect "
+                f"to them there, but {role.name} is on {role.kind.upper()}_HOST={role.host}; "
+                "set it to that host's address (in each instance's file when hosts differ)"
+            )
     for decode in decodes:
         for prefill in prefills:
             if is_loopback(prefill.host) and not is_loopback(decode.host):

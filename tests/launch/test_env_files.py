@@ -62,6 +62,37 @@ def test_env_check_wants_the_router_shutdown_grace_in_whole_seconds(env_dir):
         assert f"ROUTER_SHUTDOWN_GRACE_S={bad!r}: must be a whole number of seconds" in fail
 
 
+def test_env_check_wants_the_routers_prometheus_host_bare_and_resolvable(env_dir):
+    for good in ("localhost", "0.0.0.0"):
+        set_values(env_dir / "router.env", ROUTER_PROMETHEUS_HOST=good)
+        done = env_check(env_dir)
+        assert done.returncode == 0, (good, done.stdout)
+    for bad, said in (
+        ("127.0.0.1:29000", "='127.0.0.1:29000': must be a host name or an IP address"),
+        ("metrics.invalid", ": host 'metrics.invalid' of the router's Prometheus endpoint does"),
+    ):
+        set_values(env_dir / "router.env", ROUTER_PROMETHEUS_HOST=bad)
+        done = env_check(env_dir)
+        assert done.returncode == 1, bad
+        fail = next(ln for ln in done.stdout.splitlines() if ln.startswith("FAIL"))
+        assert fail.startswith(f"FAIL {env_dir / 'router.env'}:"), fail
+        assert f"ROUTER_PROMETHEUS_HOST{said}" in fail, fail
+
+
+def test_env_check_wants_each_engines_sglang_host_ip_on_its_own_host(env_dir):
+    """SGLANG_HOST_IP is where an engine's PD sockets listen and where the other engines are
+    told to reach them: an address that is not the engine's host is refused."""
+    set_values(env_dir / "decode.env", SGLANG_HOST_IP="192.0.2.77")
+    done = env_check(env_dir)
+    assert done.returncode == 1, done.stdout
+    fail = next(ln for ln in done.stdout.splitlines() if "SGLANG_HOST_IP" in ln)
+    assert fail.startswith(f"FAIL {env_dir / 'decode.env'}:"), fail
+    assert "SGLANG_HOST_IP=192.0.2.77: decode's PD sockets would listen there" in fail
+    assert "DECODE_HOST=127.0.0.1" in fail
+    set_values(env_dir / "decode.env", SGLANG_HOST_IP="localhost")
+    assert env_check(env_dir).returncode == 0
+
+
 def test_env_check_rejects_lines_bash_and_systemd_would_read_differently(env_dir):
     for bad in ("export FOO=1", "FOO=two words", 'FOO="$HOME/x"', "FOO=1 # note"):
         with (env_dir / "router.env").open("a") as f:

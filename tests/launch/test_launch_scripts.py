@@ -80,6 +80,18 @@ def test_router_passes_the_shutdown_grace_from_router_env_to_smg(env_dir):
     assert "--shutdown-grace-period-secs" not in command_of(dry_run("router", env_dir))
 
 
+def test_router_puts_its_prometheus_endpoint_on_the_router_host_unless_told_otherwise(env_dir):
+    """smg alone binds its Prometheus endpoint to every interface; the script gives it
+    ROUTER_PROMETHEUS_HOST when that is set, else ROUTER_HOST."""
+    assert "--prometheus-host 127.0.0.1 " in command_of(dry_run("router", env_dir)) + " "
+    set_values(env_dir / "common.env", ROUTER_HOST="localhost")
+    assert "--prometheus-host localhost " in command_of(dry_run("router", env_dir)) + " "
+    set_values(env_dir / "router.env", ROUTER_PROMETHEUS_HOST="0.0.0.0")
+    done = dry_run("router", env_dir)
+    assert "--prometheus-host 0.0.0.0 " in command_of(done) + " "
+    assert "ROUTER_PROMETHEUS_HOST=0.0.0.0" in done.stdout.splitlines()
+
+
 def test_router_refuses_a_shutdown_grace_smg_would_reject(env_dir):
     set_values(env_dir / "router.env", ROUTER_SHUTDOWN_GRACE_S="1.5")
     done = dry_run("router", env_dir)
