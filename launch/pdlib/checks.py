@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import psutil
 
+from launch.pdlib import listeners
 from launch.pdlib.envfiles import REDACTED, is_secret
 from launch.pdlib.promtext import sample_sums
 from launch.pdlib.rotation import list_workers
@@ -250,9 +251,17 @@ def manifest_check(stack: Stack) -> Check:
     )
 
 
+def listen_checks(stack: Stack) -> list[Check]:
+    """Each instance's listening sockets on the host the env files give it (listeners.py)."""
+    return [
+        Check(f.ok, f.text, checked=f.checked, instance=f.instance, layer="listen")
+        for f in listeners.findings(stack)
+    ]
+
+
 def verify(stack: Stack) -> list[Check]:
     build = replace(manifest_check(stack), layer="build")
-    return health_checks(stack) + environ_checks(stack) + [build]
+    return health_checks(stack) + environ_checks(stack) + listen_checks(stack) + [build]
 
 
 TEXTFILE_HELP = {

@@ -126,9 +126,10 @@ def test_instances_of_another_host_are_reported_not_checked_nor_touched(stack_2p
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     skipped = [ln for ln in verify.stdout.splitlines() if ln.startswith("skip")]
-    assert len(skipped) == 4
+    # Each engine's knobs, and every instance's listening sockets, the router's included.
+    assert len(skipped) == 4 + 5
     assert all("a remote /proc cannot be read from here" in ln for ln in skipped)
-    assert "4 not checked from this host" in verify.stdout
+    assert "9 not checked from this host" in verify.stdout
     pid = stack_2p2d.pid("decode-1")
     down = run_pd("down", "decode", "--env-dir", str(stack_2p2d.env), "--sim", env_extra=other)
     assert "decode/1: on 127.0.0.1, not this host (PD_HOST=gpu-b.example); skipped" in down.stdout
@@ -377,7 +378,13 @@ def test_2p2d_over_two_hosts_in_network_namespaces(tmp_path, two_hosts):
                 f"ok   decode/{here} SGLANG_SM120_MMA_TARGET_CTAS=512 live in pid" in verify.stdout
             )
             skipped = [ln for ln in verify.stdout.splitlines() if ln.startswith("skip")]
-            assert len(skipped) == 2 and all(f"/{there}:" in ln for ln in skipped), skipped
+            # The other host's engines (knobs and listening sockets) and, from b, the router's.
+            remote = [f"prefill/{there}", f"decode/{there}"] + ["router"] * (host == "b")
+            assert len(skipped) == 2 + len(remote), skipped
+            assert all(ln.split()[1].rstrip(":") in remote for ln in skipped), skipped
+            assert f"ok   decode/{here} listens only on DECODE_HOST={hosts[host]}: " in (
+                verify.stdout
+            )
         for _ in range(4):
             probe = pd_on("a", "probe")
             assert probe.returncode == 0, probe.stdout + probe.stderr

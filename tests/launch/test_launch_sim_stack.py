@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -117,6 +118,39 @@ def test_verify_fails_when_a_knob_is_only_in_the_file(sim_stack: SimStack):
         decode_env.write_text(before)
 
 
+def test_verify_names_a_socket_that_listens_beyond_its_instances_host(sim_stack: SimStack):
+    """verify's listen layer: every socket of every instance's processes is on the host the env
+    files give it. smg's Prometheus endpoint moved to every interface (a --prometheus-host in
+    ROUTER_ARGS, which comes last and wins) fails the router's check, naming the process, the
+    address and the port; the engines' checks still pass."""
+    done = sim_stack.pd("verify")
+    for role in ("prefill", "decode", "router"):
+        assert f"ok   {role} listens only on {role.upper()}_HOST=127.0.0.1: " in done.stdout
+    router_env = sim_stack.env / "router.env"
+    before = router_env.read_text()
+    prom = envfiles.EnvDir(sim_stack.env).common()["ROUTER_PROMETHEUS_PORT"]
+    args = envfiles.EnvDir(sim_stack.env).role_env("router")["ROUTER_ARGS"]
+    try:
+        set_values(router_env, ROUTER_ARGS=envfiles.quote(f"{args} --prometheus-host 0.0.0.0"))
+        moved = sim_stack.pd("restart", "router")
+        assert moved.returncode == 0, moved.stdout + moved.stderr
+        pid = sim_stack.pid("router")
+        done = sim_stack.pd("verify")
+    finally:
+        router_env.write_text(before)
+        back = sim_stack.pd("restart", "router")
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert done.returncode == 1, done.stdout
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("FAIL router"))
+    assert re.fullmatch(
+        rf"FAIL router: 1 of 2 listening socket\(s\) not on ROUTER_HOST=127\.0\.0\.1: pid {pid} "
+        rf"\(.+\) on 0\.0\.0\.0:{prom}/tcp \(every interface\)",
+        line,
+    ), line
+    assert "ok   prefill listens only on" in done.stdout
+    assert "ok   decode listens only on" in done.stdout
+
+
 def test_verify_textfile_has_one_gauge_per_check_and_no_value(sim_stack: SimStack, tmp_path):
     """`verify --textfile PATH` (for node_exporter's textfile collector, and the knob-drift
     alert): a knob only in the file reads 0, a live one 1, labelled by instance, layer and
@@ -155,6 +189,7 @@ def test_verify_textfile_has_one_gauge_per_check_and_no_value(sim_stack: SimStac
     assert check("decode", "env", "SGLANG_SM120_MMA_TARGET_CTAS") == 1
     for role in ("prefill", "decode", "router"):
         assert check(role, "health") == 1
+        assert check(role, "listen") == 1
     assert check("", "build") == 1
     assert samples[("sm120pd_verify_checks", (("result", "failed"), ("stack", stack)))] == 1
     ok = samples[("sm120pd_verify_checks", (("result", "ok"), ("stack", stack)))]
