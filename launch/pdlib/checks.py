@@ -25,6 +25,17 @@ from launch.pdlib.unresponsive import (
     reason,
     router_view,
 )
+from launch.pdlib.wedged import (
+    LOADS_PATH,
+    LOADS_TIMEOUT_S,
+    WEDGED,
+    WEDGED_AFTER_S,
+    Life,
+    Wedged,
+    scheduler_seconds,
+    snapshot_from,
+)
+from launch.pdlib.wedged import reason as wedged_reason
 
 MANIFEST_CODE = (
     "from importlib.metadata import distribution as d; "
@@ -403,33 +414,72 @@ def _load_text(values) -> str:
 ASKED = ("/metrics", "/health")
 
 
-def _ask_engines(engines: list[Role]) -> tuple[dict[str, Reply], list[Silent]]:
-    """Every engine's /metrics reply, and the engines whose /metrics or /health gave no answer
-    at all (frozen, or nothing listening); every endpoint of every engine asked at once, so
-    silent engines cost one timeout in all."""
-    asked = [(role, path) for role in engines for path in ASKED]
+def _ask(role: Role, path: str, api_key: str) -> Reply:
+    if path == LOADS_PATH:
+        return http(role.url + path, timeout=LOADS_TIMEOUT_S, api_key=api_key)
+    return http(role.url + path, timeout=ENGINE_READ_TIMEOUT_S)
+
+
+def _ask_engines(
+    engines: list[Role], api_key: str = ""
+) -> tuple[dict[str, Reply], list[Silent], dict[tuple[str, str], Reply]]:
+    """Every engine's /metrics reply, the engines whose /metrics or /health gave no answer at
+    all (frozen, or nothing listening), and every reply by (instance, path), /v1/loads
+    included; every endpoint of every engine asked at once, so silent engines cost one
+    timeout in all. A /v1/loads that does not answer is not silence of the engine: its
+    handler may wait on a stopped scheduler (launch/pdlib/wedged.py)."""
+    asked = [(role, path) for role in engines for path in (*ASKED, LOADS_PATH)]
     with ThreadPoolExecutor(max_workers=max(1, len(asked))) as pool:
-        replies = list(
-            pool.map(lambda a: http(a[0].url + a[1], timeout=ENGINE_READ_TIMEOUT_S), asked)
-        )
+        replies = list(pool.map(lambda a: _ask(a[0], a[1], api_key), asked))
     metrics: dict[str, Reply] = {}
     failures: dict[str, list[str]] = {}
     for (role, path), reply in zip(asked, replies, strict=True):
         if path == "/metrics":
             metrics[role.name] = reply
-        if reply.status is None:
+        if reply.status is None and path in ASKED:
             failures.setdefault(role.name, []).append(
                 no_answer(path, reply.error, ENGINE_READ_TIMEOUT_S)
             )
     silent = [Silent(r.name, r.url, tuple(failures[r.name])) for r in engines if r.name in failures]
-    return metrics, silent
+    answers = {(role.name, path): reply for (role, path), reply in zip(asked, replies, strict=True)}
+    return metrics, silent, answers
+
+
+def _life(metrics: Reply, loads: Reply) -> Life:
+    """One read of an engine's scheduler: its load snapshot's age and its time counters."""
+    try:
+        seconds = scheduler_seconds(metrics.body.decode(errors="replace"))
+    except ValueError:
+        seconds = {}
+    snapshot = snapshot_from(loads.status, loads.body, loads.error, LOADS_TIMEOUT_S)
+    return Life(first=snapshot, seconds_before=seconds if metrics.status == 200 else {})
+
+
+def _wedged(
+    engines: list[Role], answers: dict[tuple[str, str], Reply]
+) -> tuple[list[Wedged], list[str]]:
+    """The engines whose HTTP server answers and whose scheduler does not run, and the names
+    of those whose scheduler runs."""
+    wedged, running = [], []
+    for role in engines:
+        life = _life(answers[(role.name, "/metrics")], answers[(role.name, LOADS_PATH)])
+        signals, _ = life.stopped(WEDGED_AFTER_S)
+        if signals:
+            health = answers[(role.name, "/health")]
+            answered = f"/health: HTTP {health.status}"
+            wedged.append(Wedged(role.name, role.url, answered, tuple(signals)))
+        elif life.runs(WEDGED_AFTER_S):
+            running.append(role.name)
+    return wedged, running
 
 
 def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[str]]:
     """One chat completion through the router, with every engine's answer and the decodes' load.
 
     An engine that gives no answer on /metrics or /health fails the probe with the same verdict
-    bench/triage gives, whatever the request did: the router may still route around it."""
+    bench/triage gives, whatever the request did: the router may still route around it. So does
+    an engine that answers while its scheduler does not run (launch/pdlib/wedged.py): the
+    router keeps routing to it."""
     router = stack.role("router")
     body = {
         "model": stack.env.common().get("SERVED_MODEL_NAME") or "default",
@@ -438,7 +488,7 @@ def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[s
         "stream": False,
     }
     engines = stack.of_kind("prefill") + stack.of_kind("decode")
-    metrics, silent = _ask_engines(engines)
+    metrics, silent, answers = _ask_engines(engines, stack.api_key)
     quiet = {s.name for s in silent}
     decodes = [r for r in stack.of_kind("decode") if r.name not in quiet]
     before = [engine_load(role, metrics[role.name]) for role in decodes]
@@ -478,4 +528,9 @@ def probe(stack: Stack, timeout_s: float, max_tokens: int) -> tuple[bool, list[s
         for s in silent:
             said = listing.error or router_view(by_url.get(s.url))
             lines.append(f"router on {s.name}: {said}")
+        return ok, lines
+    wedged, running = _wedged(engines, answers)
+    if wedged:
+        ok = False
+        lines.append(f"verdict: {WEDGED}: {wedged_reason(wedged, running)}")
     return ok, lines
