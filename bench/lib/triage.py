@@ -1,9 +1,10 @@
 """Triage: is a stuck client request the connection layer's fault or the engines'?
 
-Measures, then decides. Measurements: engine load from every prefill and decode instance's
-/metrics, sampled twice a window apart, and whether each answers /health; one request over a
-fresh connection to the client's URL; the same directly to the router when that is a different
-URL; and, when an engine did not answer, how the router lists it (GET /workers). The decision
+Measures, then decides. Measurements: engine load and scheduler time from every prefill and
+decode instance's /metrics and the age of its scheduler's load snapshot from /v1/loads, each
+read twice a window apart, and whether each answers /health; one request over a fresh
+connection to the client's URL; the same directly to the router when that is a different URL;
+and, when an engine did not answer, how the router lists it (GET /workers). The decision
 (`decide`) is a pure function of those facts so it can be tested on recorded numbers.
 """
 
@@ -38,6 +39,18 @@ from launch.pdlib.unresponsive import (
     reason,
     router_view,
 )
+from launch.pdlib.wedged import (
+    LOADS_PATH,
+    LOADS_TIMEOUT_S,
+    WEDGED,
+    WEDGED_AFTER_S,
+    Life,
+    Snapshot,
+    Wedged,
+    scheduler_seconds,
+    snapshot_from,
+)
+from launch.pdlib.wedged import reason as wedged_reason
 
 CONNECTION = "connection layer between client and router"
 SATURATED = "engine saturated"
@@ -78,6 +91,8 @@ class EngineLoad:
     no_answer: list[str] = field(default_factory=list)
     # What /health answered ("HTTP 200 in 0.004 s"); "" when it was not asked.
     health: str = ""
+    # Its scheduler's own signs of running: load snapshot ages and scheduler time.
+    scheduler: Life = field(default_factory=Life)
 
     def _max(self, key: str) -> float | None:
         vals = [v for v in (self.before.get(key), self.after.get(key)) if v is not None]
@@ -114,6 +129,14 @@ class EngineLoad:
             signals.append(ra + qa < rb + qb)
         return any(signals) if signals else None
 
+    def wedged(self, after_s: float) -> Wedged | None:
+        """Its HTTP server answers and its scheduler shows it stopped (launch/pdlib/wedged.py)."""
+        signals, support = self.scheduler.stopped(after_s)
+        if not signals or self.no_answer:
+            return None
+        answered = f"/health: {self.health}" if self.health else "/metrics answered"
+        return Wedged(self.role, self.url, answered, tuple(signals), tuple(support))
+
     def describe(self) -> str:
         if self.no_answer:
             return f"{self.role} {self.url}: " + "; ".join(self.no_answer)
@@ -126,10 +149,12 @@ class EngineLoad:
             show = lambda v: "n/a" if v is None else f"{v:g}"  # noqa: E731
             return f"{show(b)} -> {show(a)}"
 
+        scheduler = self.scheduler.describe()
         return (
             f"{self.role} {self.url}: running {fmt('running')}, queued {fmt('queued')}, "
             f"gen_throughput {fmt('gen_throughput')} tok/s, generation_tokens_total "
             f"{fmt('generation_tokens_total')} over {self.window_s:.1f} s{health}"
+            + (f"; {scheduler}" if scheduler else "")
         )
 
 
@@ -177,12 +202,15 @@ def decide(
     engines: list[EngineLoad],
     fast_s: float,
     router_list: RouterList | None = None,
+    wedged_after_s: float = WEDGED_AFTER_S,
 ) -> Verdict:
     """router_list: the router's GET /workers; None when it was not asked (every engine
-    answered)."""
+    answered). wedged_after_s: how old a scheduler's load snapshot (or how long its time
+    counters still) before its scheduler reads as wedged."""
     evidence = [p.describe() for p in probes] + [e.describe() for e in engines]
     measurements = {
         "fast_s": fast_s,
+        "wedged_after_s": wedged_after_s,
         "probes": [asdict(p) for p in probes],
         "engines": [asdict(e) for e in engines],
         "router_workers": None if router_list is None else asdict(router_list),
@@ -203,6 +231,10 @@ def decide(
         if answering or router_answered:
             return out(UNRESPONSIVE, because, router)
         return out(INCONCLUSIVE, f"{NOTHING_ANSWERED}: {because}", router)
+    wedged = [w for e in engines if (w := e.wedged(wedged_after_s))]
+    if wedged:
+        running = [e.role for e in engines if e.scheduler.runs(wedged_after_s)]
+        return out(WEDGED, wedged_reason(wedged, running))
     unreadable = [e for e in engines if not e.ok]
     if unreadable:
         names = ", ".join(e.role for e in unreadable)
@@ -274,10 +306,25 @@ async def _probe(name: str, url: str, model: str, timeout_s: float, api_key: str
 _SILENCE = (TimeoutError, aiohttp.ClientConnectionError, OSError)
 
 
-async def _read_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+async def _read_metrics(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(url.rstrip("/") + "/metrics") as resp:
         resp.raise_for_status()
-        return promtext.parse(await resp.text())
+        return await resp.text()
+
+
+async def _snapshot(session: aiohttp.ClientSession, url: str, timeout_s: float) -> Snapshot:
+    """GET /v1/loads within its own short timeout: a handler that waits on a stopped
+    scheduler's lock is a finding, not a reason to wait."""
+    timeout_s = min(LOADS_TIMEOUT_S, timeout_s)
+    try:
+        async with session.get(
+            url.rstrip("/") + LOADS_PATH, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            return snapshot_from(resp.status, await resp.read(), "", timeout_s)
+    except _SILENCE as exc:
+        return snapshot_from(None, b"", f"{type(exc).__name__}: {exc}", timeout_s)
+    except aiohttp.ClientError as exc:
+        return Snapshot(error=f"/v1/loads: {type(exc).__name__}")
 
 
 async def _health(session: aiohttp.ClientSession, e: EngineLoad, timeout_s: float) -> None:
@@ -293,11 +340,14 @@ async def _health(session: aiohttp.ClientSession, e: EngineLoad, timeout_s: floa
 async def _load(
     session: aiohttp.ClientSession, e: EngineLoad, timeout_s: float, api_key: str
 ) -> None:
+    e.scheduler.window_s = e.window_s
     for phase in ("before", "after"):
         if phase == "after":
             await asyncio.sleep(e.window_s)
         try:
-            setattr(e, phase, promtext.load_of(await _read_metrics(session, e.url)))
+            text = await _read_metrics(session, e.url)
+            setattr(e, phase, promtext.load_of(promtext.parse(text)))
+            seconds = scheduler_seconds(text)
         except _SILENCE as exc:
             e.ok = False
             e.no_answer.insert(0, no_answer("/metrics", f"{type(exc).__name__}: {exc}", timeout_s))
@@ -306,6 +356,12 @@ async def _load(
             # An HTTP error status, or /metrics text that is not Prometheus's format.
             e.ok, e.error = False, redact(f"{type(exc).__name__}: {exc}", api_key)
             return
+        # After /metrics: without patch 0021 this read can freeze the engine's HTTP server.
+        snapshot = await _snapshot(session, e.url, timeout_s)
+        if phase == "before":
+            e.scheduler.seconds_before, e.scheduler.first = seconds, snapshot
+        else:
+            e.scheduler.seconds_after, e.scheduler.last = seconds, snapshot
 
 
 async def _engine_loads(
@@ -331,6 +387,7 @@ async def triage(
     probe_timeout_s: float = 10.0,
     model: str | None = None,
     api_key: str = "",
+    wedged_after_s: float = WEDGED_AFTER_S,
 ) -> Verdict:
     # Load first: the probes themselves would make idle engines look busy.
     engines = await _engine_loads(stack, window_s, probe_timeout_s, api_key)
@@ -346,18 +403,19 @@ async def triage(
     workers = None
     if any(e.no_answer for e in engines) and stack.router_url:
         workers = await asyncio.to_thread(list_workers, stack.router_url, api_key, probe_timeout_s)
-    return decide(probes, engines, fast_s, workers)
+    return decide(probes, engines, fast_s, workers, wedged_after_s)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="bench/triage",
-        description="Tell a stuck client connection from a busy, stalled or unresponsive engine: "
-        "time a request over a fresh connection to the client's URL and to the router, read "
-        "every prefill and decode instance's load from /metrics and its /health, and print a "
-        "verdict with the numbers (an engine that gives no answer is named, with what the "
-        "router says of it). Exit 0 when a verdict other than 'inconclusive' is reached, 3 "
-        "otherwise.",
+        description="Tell a stuck client connection from a busy, stalled, wedged or unresponsive "
+        "engine: time a request over a fresh connection to the client's URL and to the router, "
+        "read every prefill and decode instance's load and scheduler time from /metrics, its "
+        "scheduler's load snapshot from /v1/loads and its /health, and print a verdict with "
+        "the numbers (an engine that gives no answer, or whose scheduler does not run behind "
+        "an answering HTTP server, is named, with what showed it). Exit 0 when a verdict other "
+        "than 'inconclusive' is reached, 3 otherwise.",
     )
     parser.add_argument("--url", required=True, help="the URL the client uses (may be a proxy)")
     add_stack_args(parser)
@@ -379,16 +437,32 @@ def main(argv: list[str] | None = None) -> int:
         default=10.0,
         help="give up on a probe request after this (default: 10.0)",
     )
+    parser.add_argument(
+        "--wedged-after-s",
+        type=float,
+        default=WEDGED_AFTER_S,
+        help="a scheduler whose load snapshot is this old (or whose time counters stand still "
+        f"this long) reads as wedged (default: {WEDGED_AFTER_S:g}); raise it where one forward "
+        "pass takes longer",
+    )
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
     add_api_key_arg(parser)
     args = parser.parse_args(argv)
-    for name in ("fast_s", "window_s", "probe_timeout_s"):
+    for name in ("fast_s", "window_s", "probe_timeout_s", "wedged_after_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
     stack = stack_from_args(parser, args)
     api_key = resolve_api_key(args.api_key, args.env_dir)
     result = asyncio.run(
-        triage(args.url, stack, args.fast_s, args.window_s, args.probe_timeout_s, api_key=api_key)
+        triage(
+            args.url,
+            stack,
+            args.fast_s,
+            args.window_s,
+            args.probe_timeout_s,
+            api_key=api_key,
+            wedged_after_s=args.wedged_after_s,
+        )
     )
     print(json.dumps(asdict(result), indent=2) if args.json else result.render())
     return 3 if result.verdict == INCONCLUSIVE else 0

@@ -1,3 +1,5 @@
+from datetime import UTC, datetime
+
 from bench.lib import promtext
 from bench.lib.triage import (
     CONNECTION,
@@ -5,11 +7,13 @@ from bench.lib.triage import (
     SATURATED,
     STALLED,
     UNRESPONSIVE,
+    WEDGED,
     EngineLoad,
     Probe,
     decide,
 )
 from launch.pdlib.rotation import RouterList
+from launch.pdlib.wedged import Life, Snapshot, read_snapshot
 
 # /metrics excerpt as an SGLang decode server exposes it (two label sets summed).
 DECODE_METRICS = """\
@@ -276,3 +280,90 @@ def test_text_outside_the_prometheus_format_is_an_error_not_a_silent_zero():
 
     with pytest.raises(ValueError):
         promtext.parse("sglang:num_running_reqs{tp_rank=0 not closed 3\n")
+
+
+# ---- a scheduler that does not run behind an answering HTTP server ---------------------------
+
+SCHEDULER = "engine_type=decode,tp_rank=0"
+
+
+def _scheduler(age_s: float | None, seconds: float, grew: float = 0.0) -> Life:
+    """Two reads a second apart: a snapshot `age_s` old at the first (None: refreshed at each
+    read) and the scheduler's time counters, grown by `grew` between them."""
+    stamp = 1796424800.0
+
+    def read(later: float) -> Snapshot:
+        published = stamp + later if age_s is None else stamp
+        answered = datetime.fromtimestamp(stamp + (age_s or 0.01) + later, UTC).isoformat()
+        return read_snapshot({"timestamp": answered, "loads": [{"timestamp": published}]})
+
+    return Life(
+        window_s=1.0,
+        first=read(0.0),
+        last=read(1.0),
+        seconds_before={SCHEDULER: seconds},
+        seconds_after={SCHEDULER: seconds + grew},
+    )
+
+
+def _with_scheduler(engine: EngineLoad, life: Life, health: str = "HTTP 200 in 0.004 s"):
+    engine.scheduler, engine.health = life, health
+    return engine
+
+
+def test_a_wedged_decode_next_to_idle_engines_is_named_not_read_as_idle():
+    # Without the scheduler's signals this reads `connection layer` (engines idle, probes fast).
+    engines = [
+        _with_scheduler(_answering("prefill", 1), _scheduler(None, 812.0, grew=1.9)),
+        _with_scheduler(_answering("decode", 2), _scheduler(23.4, 640.5)),
+    ]
+    v = decide(FAST, engines, 2.0)
+    assert v.verdict == WEDGED
+    assert v.reason == (
+        "decode (http://127.0.0.1:2) answers over HTTP (/health: HTTP 200 in 0.004 s) but its "
+        "scheduler does not run: its load snapshot (/v1/loads loads[dp_rank 0].timestamp) was "
+        "last refreshed 24.4 s ago and unchanged over the 1 s window; a running scheduler "
+        "refreshes it about every second; sglang:scheduler_idle_seconds_total + "
+        "sglang:scheduler_stage_seconds_total stood at 640.5 s over the 1 s window; prefill's "
+        "scheduler runs"
+    )
+    assert any(
+        e.startswith("decode http://127.0.0.1:2: running 0 -> 0")
+        and e.endswith(
+            "; scheduler: load snapshot age 23.4 s -> 24.4 s, scheduler idle+stage seconds "
+            "640.5 -> 640.5"
+        )
+        for e in v.evidence
+    ), v.evidence
+    assert v.measurements["engines"][1]["scheduler"]["first"]["ages"] == {"0": 23.4}
+
+
+def test_a_wedged_scheduler_with_requests_on_it_is_wedged_not_stalled():
+    decode = EngineLoad(
+        "decode",
+        "http://127.0.0.1:2",
+        True,
+        window_s=1.0,
+        before=_load(8, 2, 1000, thr=0.0),
+        after=_load(8, 2, 1000, thr=0.0),
+    )
+    prefill = _with_scheduler(_answering("prefill", 1), _scheduler(None, 812.0, grew=1.0))
+    v = decide(SLOW, [prefill, _with_scheduler(decode, _scheduler(40.0, 90.0))], 2.0)
+    assert v.verdict == WEDGED and v.reason.startswith("decode (http://127.0.0.1:2) answers")
+
+
+def test_a_young_snapshot_is_not_yet_wedged_and_its_threshold_is_an_option():
+    engines = [
+        _with_scheduler(_answering("prefill", 1), _scheduler(None, 812.0, grew=1.9)),
+        _with_scheduler(_answering("decode", 2), _scheduler(4.0, 640.5)),
+    ]
+    assert decide(FAST, engines, 2.0).verdict == CONNECTION
+    assert decide(FAST, engines, 2.0, wedged_after_s=3.0).verdict == WEDGED
+
+
+def test_an_engine_that_does_not_answer_at_all_stays_unresponsive():
+    engines = [
+        _with_scheduler(_answering("prefill", 1), _scheduler(30.0, 812.0)),
+        _silent("decode", 2),
+    ]
+    assert decide(FAST, engines, 2.0, RouterList(True)).verdict == UNRESPONSIVE
