@@ -383,7 +383,14 @@ def cmd_monitoring(args) -> int:
         out(f"env check {args.env_dir}: {len(problems)} problem(s)", err=True)
         out("monitoring: nothing written", err=True)
         return 2
-    for option in ("scrape_interval", "stuck_after", "held_after", "slack", "down_after"):
+    for option in (
+        "scrape_interval",
+        "stuck_after",
+        "held_after",
+        "slack",
+        "down_after",
+        "stalled_after",
+    ):
         value = getattr(args, option)
         if value is not None and value <= 0:
             print(f"monitoring: --{option.replace('_', '-')} must be positive", file=sys.stderr)
@@ -400,7 +407,7 @@ def cmd_monitoring(args) -> int:
         return 2
     stack = load_stack(args.env_dir, sim=False)
     windows = monitoring.windows(
-        stack, args.stuck_after, args.held_after, args.slack, args.down_after
+        stack, args.stuck_after, args.held_after, args.slack, args.down_after, args.stalled_after
     )
     for path in monitoring.render(
         out_dir, stack, windows, args.scrape_interval, args.env_dir.resolve()
@@ -624,6 +631,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds an instance may fail its scrape before PDInstanceDown fires; also sets "
         "PDInstanceNotRouted to twice this (default: the role's ROLE_HEALTH_TIMEOUT_S, and "
         "a rolling restart's longest run for PDInstanceNotRouted)",
+    )
+    p.add_argument(
+        "--stalled-after",
+        type=float,
+        default=monitoring.STALLED_AFTER_S,
+        help="seconds an engine's scheduler time counters may stand still while it answers its "
+        f"scrape before PDSchedulerStalled fires (default: {monitoring.STALLED_AFTER_S:g})",
     )
     p.set_defaults(func=cmd_monitoring)
 

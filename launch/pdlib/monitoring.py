@@ -11,6 +11,11 @@ the running count it published is stale or every 30 s: a gauge may lag the engin
 30 s. So no rule reads one sample of a PD queue gauge: each asks that the gauge stayed non-zero
 for the whole window, the window is the engine's own timeout plus a slack that covers the lag,
 and a counter that moves whenever the queue makes progress must not have moved.
+
+A scheduler that stops behind a live HTTP server leaves every gauge and /health as they were;
+what it stops is its time counters, which a running scheduler adds to about once a second
+whether it is busy or idle: its loop's wall time by stage, and its idle time besides
+(launch/pdlib/wedged.py).
 """
 
 from __future__ import annotations
@@ -38,7 +43,13 @@ UPSTREAM_BOOTSTRAP_S = 300.0
 # Without SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT patch 0003 is off: a room may sit in prefill's
 # inflight queue for as long as its transfer takes. The alert then waits this long.
 UNBOUNDED_INFLIGHT_S = 600.0
+# How long an engine's scheduler time counters may stand still before PDSchedulerStalled fires:
+# far above one forward pass on a GPU, and far below sglang's 300 s watchdog, which stops with
+# the scheduler anyway.
+STALLED_AFTER_S = 120.0
+SCHEDULER_SECONDS = ("scheduler_stage_seconds_total", "scheduler_idle_seconds_total")
 METRIC_RE = re.compile(r"\b(sglang:[a-z0-9_:]+|smg_[a-z0-9_]+|sm120pd_[a-z0-9_]+|up)\b")
+EITHER_RE = re.compile(r'__name__=~"sglang\[:_\]([a-z0-9_:]+)"')
 
 
 def tool(name: str) -> str | None:
@@ -60,6 +71,7 @@ class Windows:
     decode_queue: float
     inflight_bounded: bool
     down_given: bool = False
+    stalled: float = STALLED_AFTER_S
 
 
 def _max_value(stack: Stack, kind: str, key: str) -> float | None:
@@ -72,7 +84,14 @@ def _max_value(stack: Stack, kind: str, key: str) -> float | None:
     return max(values) if values else None
 
 
-def windows(stack: Stack, stuck: float, held: float, slack: float, down=None) -> Windows:
+def windows(
+    stack: Stack,
+    stuck: float,
+    held: float,
+    slack: float,
+    down=None,
+    stalled: float = STALLED_AFTER_S,
+) -> Windows:
     """The alert windows from the env files (launch/pd env check has vetted the values); down
     replaces the roles' health timeouts as the time an instance may be down."""
     health = {kind: max(r.health_timeout_s for r in stack.of_kind(kind)) for kind in ROLE_KINDS}
@@ -96,6 +115,7 @@ def windows(stack: Stack, stuck: float, held: float, slack: float, down=None) ->
         decode_queue=max(waiting or UPSTREAM_WAITING_S, bootstrap or UPSTREAM_BOOTSTRAP_S) + slack,
         inflight_bounded=bool(inflight),
         down_given=down is not None,
+        stalled=stalled,
     )
 
 
@@ -125,6 +145,15 @@ def targets(stack: Stack) -> dict[str, list[dict]]:
                 labels["worker"] = rotation.worker_entry(role)["url"]
             out[kind].append({"targets": [f"{role.host}:{port}"], "labels": labels})
     return out
+
+
+def _sglang(name: str, selector: str) -> str:
+    """A selector for an sglang series under either spelling of its name. sglang names its
+    metrics `sglang:NAME`; the pinned prometheus_client (0.26.0) writes the samples
+    `sglang_NAME` when the scrape asks for OpenMetrics, as Prometheus does by default, and
+    keeps the colon in the plain text format (seen with curl and in a real Prometheus's
+    TSDB)."""
+    return f'{{__name__=~"sglang[:_]{name}",{selector}}}'
 
 
 def _sum0(metric: str, selector: str, by: str = "") -> str:
@@ -238,6 +267,24 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             f"{probe}",
             "{{ $labels.pd_instance }} still uses {{ $value }} KV tokens although it has "
             f"run, queued and counted no request token for {_d(w.held)}.",
+        )
+    )
+    stage, idle = (f"increase({_sglang(m, engines)}[{_d(w.stalled)}])" for m in SCHEDULER_SECONDS)
+    out.append(
+        _alert(
+            "PDSchedulerStalled",
+            # The window is the range: the sum is 0 once no sample in it moved, so no `for:`.
+            f"(sum without (category, forward_overlap) ({stage})\n+ {idle}) == 0\n"
+            f"and on(instance) (up{{{engines}}} == 1)",
+            0,
+            "critical",
+            f"An engine's scheduler stands still while its HTTP server answers. Run: {triage}; "
+            f"then {probe}",
+            "{{ $labels.pd_instance }} ({{ $labels.instance }}) answers its scrape, and its "
+            "scheduler has added no idle or stage time (sglang:scheduler_idle_seconds_total, "
+            f"sglang:scheduler_stage_seconds_total) for {_d(w.stalled)}: a running scheduler "
+            "adds to them every second, busy or idle. Its /health and the router's health "
+            "checks keep passing while it stands still.",
         )
     )
     for kind in ROLE_KINDS:
@@ -389,6 +436,16 @@ def dashboard(stack: Stack) -> dict:
                     "KV token usage",
                     [(f"sglang:token_usage{{{engines}}}", "{{pd_instance}}")],
                     "percentunit",
+                ),
+                _panel(
+                    "Scheduler loop seconds per second (1 while it runs, 0 when it stands still)",
+                    [
+                        (
+                            f"sum by (pd_instance) (rate({_sglang(m, engines)}{rate}))",
+                            f"{{{{pd_instance}}}} {m.split('_')[1]}",
+                        )
+                        for m in SCHEDULER_SECONDS
+                    ],
                 ),
                 _panel(
                     "Tokens per second",
@@ -581,8 +638,10 @@ def render(out: Path, stack: Stack, w: Windows, scrape_s: float, env_dir: Path) 
 
 
 def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression reads (ours, sglang's, smg's and up)."""
-    return set(METRIC_RE.findall(re.sub(r'"[^"]*"', '""', expr)))
+    """The metric names a PromQL expression reads (ours, sglang's, smg's and up); an sglang
+    name selected under either spelling counts as `sglang:NAME`."""
+    either = {f"sglang:{name}" for name in EITHER_RE.findall(expr)}
+    return either | set(METRIC_RE.findall(re.sub(r'"[^"]*"', '""', expr)))
 
 
 def promtool_check(out: Path) -> tuple[bool | None, str]:
