@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PD = ROOT / "launch" / "pd"
 sys.path.insert(0, str(ROOT))
 
-from launch.pdlib import envfiles, loads, monitoring  # noqa: E402
+from launch.pdlib import envfiles, loadfiles, loads, monitoring  # noqa: E402
 from launch.pdlib.promtext import sample_sums  # noqa: E402
 from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
@@ -108,6 +108,12 @@ class Stack:
     def pid(self, role: str) -> int:
         return json.loads((self.run_dir / f"{role}.pid").read_text())["pid"]
 
+    def snapshot_file(self, role: str) -> str:
+        """The engine's load snapshot file in /dev/shm, which its processes hold open (sglang
+        names it after an id drawn at each start)."""
+        (path,) = loads_files_of(self.pid(role))
+        return path
+
     def schedulers(self, role: str) -> list[psutil.Process]:
         """The engine's scheduler process: it runs the batches and the KV transfers."""
         found = [
@@ -168,6 +174,25 @@ def start_fault_stack(
         pytest.fail(f"launch/pd up failed:\n{up.stdout[-3000:]}{up.stderr[-2000:]}\n{logs}")
     ports = {"router": router, "prefill": prefill, "decode": decode}
     return Stack(env_dir, tmp / "run", ports, key, body, waiting_s, inflight_s)
+
+
+def loads_files_of(pid: int) -> set[str]:
+    """The load snapshot files that process and its descendants hold open."""
+    main = psutil.Process(pid)
+    return loadfiles.open_by([main, *main.children(recursive=True)])
+
+
+def loads_files_in_shm() -> set[str]:
+    """Every sglang load snapshot file in /dev/shm (other engines' included)."""
+    return {str(p) for p in Path("/dev/shm").glob("sglang_loads_*.shm")}
+
+
+def loads_files_left(before: set[str]) -> set[str]:
+    """The sglang load snapshot files in /dev/shm that were not there before and that no live
+    process holds open: files of engines that are gone. An engine that started meanwhile
+    elsewhere on the machine holds its own open."""
+    held = loadfiles.open_by(list(psutil.process_iter()))
+    return loads_files_in_shm() - before - held
 
 
 def stop_stack(stack: Stack) -> None:
@@ -256,11 +281,12 @@ def resume(procs: list[psutil.Process]) -> None:
 def wait_router_healthy(stack: Stack) -> None:
     """Until smg lists every worker healthy again. After a fault it marks the engine that
     stopped answering its health checks unhealthy (each 2 s in env/cpu's ROUTER_ARGS) and
-    answers 503 no_available_workers until a check passes again. Seen after prefill's
-    scheduler alone had been stopped for 10 s: a scheduler holds a file lock while it writes
-    its load snapshot (on every pass of its loop), sglang's /v1/loads handler waits for that
-    lock inside the HTTP server's event loop, so smg's next /v1/loads poll of a scheduler
-    stopped mid-write froze prefill's whole HTTP server, /health included, until it ran again."""
+    answers 503 no_available_workers until a check passes again. Seen, before patch 0021,
+    after prefill's scheduler alone had been stopped for 10 s: a scheduler holds a file lock
+    while it writes its load snapshot (on every pass of its loop), and sglang's /v1/loads
+    handler waited for that lock inside the HTTP server's event loop, so smg's next /v1/loads
+    poll of a scheduler stopped mid-write froze prefill's whole HTTP server, /health included,
+    until it ran again. Patch 0021 answers the last snapshot read instead, marked stale."""
     wait_for(
         lambda: all(w["is_healthy"] for w in stack.router_workers()),
         30,

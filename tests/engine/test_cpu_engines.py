@@ -20,6 +20,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -31,6 +32,9 @@ from engine_harness import (
     Prometheus,
     decode_frozen_after_bootstrap,
     kill_decode_mid_stream,
+    loads_files_in_shm,
+    loads_files_left,
+    loads_files_of,
     multiround,
     pd,
     prefill_frozen,
@@ -61,6 +65,8 @@ CPU_FLAGS = [
     "--max-total-tokens",
     "16384",
 ]
+# The sglang load snapshot files in /dev/shm before the stack went up (other engines' included).
+LOADS_FILES_BEFORE_UP: set[str] = set()
 # Greedy output ids of GREEDY through the PD stack, compared with a standalone engine at the end.
 THROUGH_PD: dict[str, list[int]] = {}
 GREEDY = {
@@ -78,6 +84,7 @@ def cpu_stack(tmp_path_factory):
         timeout=300,
     )
     assert model.returncode == 0, model.stderr[-3000:]
+    LOADS_FILES_BEFORE_UP.update(loads_files_in_shm())
     stack = start_fault_stack(
         "cpu", tmp_path_factory.mktemp("cpu-stack"), GREEDY, WAITING_TIMEOUT_S, INFLIGHT_TIMEOUT_S
     )
@@ -175,6 +182,59 @@ def test_nixls_threads_run_at_the_env_files_nice_value(cpu_stack):
 def test_probe_through_the_router(cpu_stack):
     done = pd(cpu_stack.env_dir, "probe", timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# Holds LOCK_EX on the files named on its command line, as a scheduler stopped while it publishes
+# its load snapshot does, until a line arrives on stdin.
+LOCK_HOLDER = r"""
+import fcntl, os, sys
+fds = [os.open(path, os.O_RDWR) for path in sys.argv[1:]]
+for fd in fds:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_held_snapshot_lock_blocks_no_route_of_either_engine(cpu_stack):
+    """Patch 0021. Another process holds LOCK_EX on both engines' load snapshot files, as a
+    scheduler stopped while it publishes holds it. /v1/loads, /health and /metrics of both
+    engines each answer within 2 s: /v1/loads with the last snapshot read, marked stale and
+    aged, which launch/pd's reader refuses as a state. Released, /v1/loads is fresh again.
+    Before the patch no route of either engine answered while the lock was held."""
+    files = {role: cpu_stack.snapshot_file(role) for role in ("prefill", "decode")}
+    for role in files:
+        assert "stale" not in cpu_stack.loads(role)[0]  # read once, unlocked
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, *files.values()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    took: dict[str, float] = {}
+    answers: dict[str, tuple[int | None, bytes]] = {}
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for role in files:
+            for path in ("/v1/loads", "/health", "/metrics"):
+                started = time.monotonic()
+                try:
+                    with cpu_stack.request(cpu_stack.url[role] + path, timeout=2) as resp:
+                        answers[f"{role} {path}"] = (resp.status, resp.read())
+                except OSError as err:
+                    answers[f"{role} {path}"] = (None, repr(err).encode())
+                took[f"{role} {path}"] = time.monotonic() - started
+        refused = {role: loads.read(cpu_stack.url[role], cpu_stack.key) for role in files}
+    finally:
+        holder.communicate("\n", timeout=30)
+    print({where: f"{seconds:.3f} s" for where, seconds in took.items()})
+    assert {where: status for where, (status, _) in answers.items()} == dict.fromkeys(answers, 200)
+    assert max(took.values()) < 2.0, took
+    for role in files:
+        (stale,) = json.loads(answers[f"{role} /v1/loads"][1])["loads"]
+        assert stale["stale"] == 1 and stale["snapshot_age_s"] >= 0, stale
+        assert refused[role].startswith("GET /v1/loads: stale: "), refused[role]
+        assert "stale" not in cpu_stack.loads(role)[0]
 
 
 def test_a_request_is_prefilled_on_one_engine_and_decoded_on_the_other(cpu_stack):
@@ -369,9 +429,15 @@ def test_requests_held_through_a_stalled_proxy_before_idle_engines_fire_the_aler
 
 def test_decode_killed_mid_stream_the_client_sees_an_error_and_co_restart_recovers(cpu_stack):
     body = {"text": "hello world", "sampling_params": {"max_new_tokens": 2000, "temperature": 0}}
+    # A SIGKILLed engine cannot remove its load snapshot file: co-restart's stop of decode
+    # removes it, by the name launch/pd kept when decode came up (launch/pdlib/loadfiles.py).
+    killed_file = cpu_stack.snapshot_file("decode")
     kill_decode_mid_stream(cpu_stack, body, kill_after=10)
+    assert os.path.exists(killed_file)
     done = pd(cpu_stack.env_dir, "co-restart")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"removed its load snapshot file {killed_file}" in done.stdout, done.stdout
+    assert not os.path.exists(killed_file)
     probe = pd(cpu_stack.env_dir, "probe", timeout=180)
     assert probe.returncode == 0, probe.stdout + probe.stderr
     THROUGH_PD["after co-restart"] = cpu_stack.post("/generate", GREEDY)["output_ids"]
@@ -380,12 +446,22 @@ def test_decode_killed_mid_stream_the_client_sees_an_error_and_co_restart_recove
 # ---- down, and PD against a standalone engine ------------------------------------------------
 
 
-def test_down_stops_everything_and_removes_the_key_files(cpu_stack):
+def test_down_stops_everything_and_removes_the_key_files_and_snapshot_files(cpu_stack):
+    """down removes the three key files, and no sglang load snapshot file is left in /dev/shm
+    that was not there before `up` (co-restart's engines included): each engine removed its own
+    as it ended (patch 0022), else launch/pd did."""
+    files = {role: cpu_stack.snapshot_file(role) for role in ("prefill", "decode")}
     done = pd(cpu_stack.env_dir, "down", timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("its API key file removed") == 3, done.stdout
     assert list((cpu_stack.run_dir / "secrets").iterdir()) == []
     assert cpu_stack.key not in done.stdout + done.stderr
+    for role, path in files.items():
+        by_engine = f"removed the load snapshot file {path}" in cpu_stack.log(role)
+        by_pd = f"removed its load snapshot file {path}" in done.stdout
+        print(f"{role}: {path} removed by {'the engine' if by_engine else 'launch/pd'}")
+        assert by_engine or by_pd, (role, done.stdout, cpu_stack.log(role)[-2000:])
+    assert loads_files_left(LOADS_FILES_BEFORE_UP) == set()
 
 
 def test_greedy_output_through_pd_equals_a_standalone_engine(cpu_stack, tmp_path):
@@ -423,6 +499,7 @@ def test_greedy_output_through_pd_equals_a_standalone_engine(cpu_stack, tmp_path
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
+    snapshot_files = set()
     try:
 
         def healthy() -> bool:
@@ -438,9 +515,16 @@ def test_greedy_output_through_pd_equals_a_standalone_engine(cpu_stack, tmp_path
         )
         with urllib.request.urlopen(request, timeout=120) as resp:
             standalone = json.loads(resp.read())["output_ids"]
-    finally:
-        os.killpg(server.pid, signal.SIGKILL)
+        snapshot_files = loads_files_of(server.pid)
+        # Stopped as launch/pd stops an engine: SIGTERM to its process group.
+        os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(30)
         log.close()
+    # Patch 0022: the engine removed its load snapshot file as it ended.
+    assert len(snapshot_files) == 1 and not any(map(os.path.exists, snapshot_files))
     assert len(standalone) == 12
     assert THROUGH_PD == dict.fromkeys(THROUGH_PD, standalone), (standalone, THROUGH_PD)
