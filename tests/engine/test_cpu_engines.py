@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -257,6 +258,85 @@ def test_multiround_4x6_through_the_router(cpu_stack):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "24/24 rounds ok" in done.stdout
+
+
+def listening_sockets(pid: int) -> list[tuple[int, str, str, int, str]]:
+    """(pid, process, address, port, protocol) of every socket that the process and its
+    descendants listen on: TCP in LISTEN, UDP bound without a peer. Read here with psutil,
+    apart from verify's own reading (launch/pdlib/listeners.py)."""
+    top = psutil.Process(pid)
+    found = []
+    for proc in [top, *top.children(recursive=True)]:
+        for conn in proc.net_connections("inet"):
+            if conn.type == socket.SOCK_STREAM and conn.status == psutil.CONN_LISTEN:
+                found.append((proc.pid, proc.name(), conn.laddr.ip, conn.laddr.port, "tcp"))
+            elif conn.type == socket.SOCK_DGRAM and not conn.raddr:
+                found.append((proc.pid, proc.name(), conn.laddr.ip, conn.laddr.port, "udp"))
+    return found
+
+
+def test_every_listening_socket_of_the_stack_is_on_its_configured_host(cpu_stack):
+    """Every process of the stack (each engine's HTTP server, its scheduler, where NIXL and UCX
+    run and torch.distributed's rendezvous store lives, and its detokenizer; smg) listens on
+    127.0.0.1, the host env/cpu gives all three, and verify's listen layer says so. Before
+    patch 0023 each scheduler's rendezvous store listened on `::` (every interface), and before
+    launch/router.sh passed --prometheus-host, smg's Prometheus endpoint on 0.0.0.0."""
+    env = envfiles.EnvDir(cpu_stack.env_dir).common()
+    found = {role: listening_sockets(cpu_stack.pid(role)) for role in ("prefill", "decode")}
+    found["router"] = listening_sockets(cpu_stack.pid("router"))
+    print({role: [s[1:] for s in sockets] for role, sockets in found.items()})
+    off = {role: [s for s in sockets if s[2] != "127.0.0.1"] for role, sockets in found.items()}
+    assert not any(off.values()), off
+    # Not a vacuous pass: the ports the env files name are there, on the processes launch/pd
+    # started, and each scheduler listens too (UCX's TCP transport, the rendezvous store).
+    ports = {role: {s[3] for s in sockets} for role, sockets in found.items()}
+    assert {int(env["PREFILL_PORT"]), int(env["PREFILL_BOOTSTRAP_PORT"])} <= ports["prefill"]
+    assert int(env["DECODE_PORT"]) in ports["decode"]
+    assert ports["router"] == {int(env["ROUTER_PORT"]), int(env["ROUTER_PROMETHEUS_PORT"])}
+    for role in ("prefill", "decode"):
+        (scheduler,) = cpu_stack.schedulers(role)
+        assert any(s[0] == scheduler.pid for s in found[role]), found[role]
+    done = pd(cpu_stack.env_dir, "verify", timeout=120)
+    for role in ("prefill", "decode", "router"):
+        assert f"ok   {role} listens only on {role.upper()}_HOST=127.0.0.1: " in done.stdout, (
+            done.stdout
+        )
+
+
+# Three prompts whose greedy tokens differ, so that a request answered with another's KV shows.
+ROOM_PROMPTS = (GREEDY["text"], "one two three four five six", "a b c d e f g")
+CLIENT_ROOM = 424242
+
+
+def test_client_chosen_bootstrap_rooms_stay_the_routers(cpu_stack):
+    """Two concurrent requests through the router carry the same client-chosen bootstrap_room,
+    a third room 0. Each must get its own prompt's greedy tokens (those it gets alone, without
+    a room), or a 4xx that names the room: the router, not the client, pairs a prefill with a
+    decode. Had smg passed the client's room on, prefill and decode would hold two requests
+    under one room. smg 1.13 serves all three; this guards an smg upgrade that changes it."""
+    alone = []
+    for text in ROOM_PROMPTS:
+        body = {"text": text, "sampling_params": GREEDY["sampling_params"]}
+        alone.append(cpu_stack.post("/generate", body)["output_ids"])
+    assert len({tuple(ids) for ids in alone}) == len(ROOM_PROMPTS), alone
+
+    def call(text: str, room: int) -> tuple[int, str]:
+        body = {"text": text, "sampling_params": GREEDY["sampling_params"], "bootstrap_room": room}
+        try:
+            with cpu_stack.request(cpu_stack.url["router"] + "/generate", body, 120) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    rooms = (CLIENT_ROOM, CLIENT_ROOM, 0)
+    with ThreadPoolExecutor(max_workers=len(rooms)) as pool:
+        answers = list(pool.map(call, ROOM_PROMPTS, rooms))
+    for (status, text), want, room in zip(answers, alone, rooms, strict=True):
+        if 400 <= status < 500:
+            assert "room" in text, (room, status, text)
+        else:
+            assert status == 200, (room, status, text)
+            assert json.loads(text)["output_ids"] == want, (room, text)
 
 
 def test_monitoring_reads_only_names_the_live_stack_exports(cpu_stack, prometheus, tmp_path):
