@@ -40,16 +40,19 @@ from engine_harness import (
     pd,
     prefill_frozen,
     ready,
+    resume,
     serves_a_fresh_request,
     start_fault_stack,
     stop_stack,
+    suspend,
     wait_for,
     wait_idle,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from launch.pdlib import envfiles, loads, monitoring
+from launch.pdlib import envfiles, loads, monitoring, wedged
 from launch.pdlib.stack import free_loopback_ports
+from launch.pdlib.stack import http as http_get
 
 # Seconds decode waits for a room's KV, and prefill for its KV sender, in the test copy.
 WAITING_TIMEOUT_S = 10
@@ -97,11 +100,13 @@ def cpu_stack(tmp_path_factory):
 def prometheus(cpu_stack, tmp_path_factory):
     """A real Prometheus on the stack, with what `launch/pd monitoring` renders for it: every
     target scraped and every rule evaluated each second, an instance down after 3 s, requests
-    stuck before idle engines after 5 s (the defaults are minutes)."""
+    stuck before idle engines after 5 s, a scheduler stalled after 8 s (the defaults are
+    minutes)."""
     prom = Prometheus(
         cpu_stack,
         tmp_path_factory.mktemp("prometheus"),
         *("--scrape-interval", "1", "--down-after", "3", "--stuck-after", "5"),
+        *("--stalled-after", "8"),
     )
     yield prom
     prom.stop()
@@ -440,6 +445,86 @@ def test_decode_wholly_frozen_triage_and_probe_name_it_unresponsive(cpu_stack, p
         "/metrics: no answer within 5 s; /health: no answer within 5 s; prefill answered"
     ) in probe.stdout, probe.stdout
     assert "router on decode: listed " in probe.stdout
+    assert cpu_stack.key not in out + probe.stdout
+    wait_idle(cpu_stack, "prefill", timeout_s=INFLIGHT_TIMEOUT_S + 30)
+    wait_idle(cpu_stack, "decode", timeout_s=WAITING_TIMEOUT_S + 30)
+    serves_a_fresh_request(cpu_stack)
+
+
+def snapshot_age(stack, role: str) -> float:
+    """How old the engine's load snapshot is, by the engine's own clock (0 when unread)."""
+    reply = http_get(stack.url[role] + wedged.LOADS_PATH, timeout=5, api_key=stack.key)
+    oldest = wedged.snapshot_from(reply.status, reply.body, reply.error, 5).oldest
+    return oldest[1] if oldest else 0.0
+
+
+def test_decode_scheduler_alone_stopped_is_named_wedged_by_triage_probe_and_the_alert(
+    cpu_stack, prometheus
+):
+    """Decode's scheduler process alone stopped (SIGSTOP), its HTTP server running: /health
+    still answers 200, so the router keeps routing to it. Prometheus fires PDSchedulerStalled
+    for decode and not for prefill, next to it; bench/triage and launch/pd probe read
+    `scheduler wedged`, naming decode, the signals that stopped and for how long, not `idle`
+    or `inconclusive`. Resumed, the alert resolves and the stack serves again."""
+    ready(cpu_stack)
+    schedulers = cpu_stack.schedulers("decode")
+    suspend(schedulers)
+    try:
+        stalled = prometheus.wait_firing("PDSchedulerStalled", 60, pd_instance="decode")
+        healthy = prometheus.alerts("PDSchedulerStalled", pd_instance="prefill")
+        # The snapshot only ages while the scheduler is stopped: a condition that stays met.
+        wait_for(
+            lambda: snapshot_age(cpu_stack, "decode") >= wedged.WEDGED_AFTER_S,
+            30,
+            "decode's load snapshot aged past the wedged threshold",
+        )
+        health = http_get(cpu_stack.url["decode"] + "/health", timeout=5)
+        triage = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "bench" / "triage"),
+                *("--url", cpu_stack.url["router"], "--env-dir", str(cpu_stack.env_dir)),
+                *("--probe-timeout-s", "5"),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        probe = pd(cpu_stack.env_dir, "probe", "--probe-timeout", "5", timeout=120)
+    finally:
+        resume(schedulers)
+    print("alert:", json.dumps(stalled, indent=1))
+    print(triage.stdout, probe.stdout, sep="\n")
+    assert health.status == 200
+    assert not healthy, healthy
+    assert stalled["labels"]["severity"] == "critical"
+    assert stalled["annotations"]["summary"].endswith(
+        f"bench/triage --env-dir {cpu_stack.env_dir.resolve()}; then "
+        f"{ROOT}/launch/pd probe --env-dir {cpu_stack.env_dir.resolve()}"
+    )
+    assert "has added no idle or stage time" in stalled["annotations"]["description"]
+    prometheus.wait_resolved("PDSchedulerStalled", 30, pd_instance="decode")
+    out = triage.stdout
+    assert triage.returncode == 0, out + triage.stderr
+    assert "triage verdict: scheduler wedged" in out, out
+    because = re.search(r"^because: (.*)$", out, re.M).group(1)
+    assert because.startswith(
+        f"decode ({cpu_stack.url['decode']}) answers over HTTP (/health: HTTP 200 in "
+    ), because
+    age = re.search(
+        r"its load snapshot \(/v1/loads loads\[dp_rank 0\]\.timestamp\) was last refreshed "
+        r"([\d.]+) s ago and unchanged over the 1 s window",
+        because,
+    )
+    assert age and float(age.group(1)) >= wedged.WEDGED_AFTER_S, because
+    assert "sglang:scheduler_stage_seconds_total stood at" in because, because
+    assert because.endswith("prefill's scheduler runs"), because
+    assert probe.returncode == 1, probe.stdout + probe.stderr
+    assert (
+        f"verdict: scheduler wedged: decode ({cpu_stack.url['decode']}) answers over HTTP "
+        "(/health: HTTP 200) but its scheduler does not run: its load snapshot"
+    ) in probe.stdout, probe.stdout
     assert cpu_stack.key not in out + probe.stdout
     wait_idle(cpu_stack, "prefill", timeout_s=INFLIGHT_TIMEOUT_S + 30)
     wait_idle(cpu_stack, "decode", timeout_s=WAITING_TIMEOUT_S + 30)
