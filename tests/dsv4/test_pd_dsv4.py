@@ -14,7 +14,8 @@ pools, the indexer's keys and the compressor states must all arrive for the toke
 
 Then the faults of tests/engine, on this model (engine_harness holds the machinery): decode
 killed mid-stream and a co-restart that also puts a changed split target live, prefill frozen
-while decode waits, decode frozen after bootstrap. Each asserts on the engines' /metrics
+while decode waits (the room's pages quarantined until prefill acknowledges, patch 0024),
+decode frozen after bootstrap. Each asserts on the engines' /metrics
 counters and the client's error (which names the variable that bounded it), waits until both
 engines hold nothing, and serves a fresh request. "Hold nothing" is read from /v1/loads
 (launch/pdlib/loads.py): for a hybrid-SWA model its num_used_tokens is the larger of the full
@@ -179,8 +180,12 @@ def test_decode_killed_mid_stream_then_co_restart_puts_a_changed_split_target_li
 
 def test_prefill_frozen_decode_fails_the_room_after_its_waiting_timeout(dsv4_stack):
     """Prefill's scheduler stopped: decode fails the DSV4 room after its waiting timeout (the
-    client's error names the variable), its failed-transfer counter counts it, both engines
-    come back to holding nothing, and a fresh request is served."""
+    client's error names the variable) and its failed-transfer counter counts it. Past the
+    deferred-release timeout the room's pages (full and SWA pools, and the compressed, indexer
+    and state rows addressed through them) stay quarantined while prefill is stopped (patch
+    0024: decode's log and gauges, /v1/loads' tokens in use); once prefill runs again and
+    acknowledges the abort they are released, both engines come back to holding nothing, and a
+    fresh request is served."""
     _short_waiting_timeout(dsv4_stack)
     prefill_frozen(dsv4_stack)
 

@@ -37,8 +37,9 @@ from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 UP_TIMEOUT_S = 420
 # Upstream's SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (default 30 s, not set
 # here): decode holds a failed room's KV until prefill acknowledges the abort (a late write
-# from prefill could otherwise land in pages given to another request) or this long has passed.
-# With prefill stopped, the release is the timeout's, about 30 s after the failure.
+# from prefill could otherwise land in pages given to another request). Upstream released it
+# anyway after this long; with patch 0024 the room is quarantined then, its pages held until
+# prefill acknowledges or decode's heartbeat declares prefill lost.
 DEFERRED_RELEASE_S = 30
 # Tries at a fault that races the engines' own timing (see its test), each on a stack at rest.
 FAULT_ATTEMPTS = 4
@@ -132,12 +133,14 @@ def start_fault_stack(
     waiting_s: float,
     inflight_s: float,
     common: dict[str, str] | None = None,
+    args: dict[str, str] | None = None,
 ) -> Stack:
     """`launch/pd up` from a copy of env/SRC in `tmp`, set up for the fault tests: free loopback
     ports, a fresh API key, KV over TCP only (decode_frozen_after_bootstrap says why), decode's
     waiting and prefill's inflight timeouts as given, and the router's retries off (a retry
-    would hide an engine's failure from the client). `common` adds common.env values. On a
-    failed `up` it stops what started and fails with the three logs' tails."""
+    would hide an engine's failure from the client). `common` adds common.env values, `args`
+    server flags per engine role, after the env file's (sglang takes a repeated flag's last
+    value). On a failed `up` it stops what started and fails with the three logs' tails."""
     env_dir = tmp / "env"
     shutil.copytree(ROOT / "env" / src, env_dir)
     prefill, boot, decode, router, prom = free_loopback_ports(5)
@@ -159,6 +162,12 @@ def start_fault_stack(
     envfiles.set_values(
         env_dir / "prefill.env", {"SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT": f"{inflight_s:g}"}
     )
+    for role, extra in (args or {}).items():
+        name = f"{role.upper()}_ARGS"
+        current = {ln.key: ln.value for ln in envfiles.parse_file(env_dir / f"{role}.env")}
+        envfiles.set_values(
+            env_dir / f"{role}.env", {name: envfiles.quote(f"{current[name]} {extra}")}
+        )
     router_args = {ln.key: ln.value for ln in envfiles.parse_file(env_dir / "router.env")}
     envfiles.set_values(
         env_dir / "router.env",
@@ -484,32 +493,173 @@ def freeze_decode_after_bootstrap(stack: Stack, timed_out: re.Pattern) -> tuple[
         resume(decode)
 
 
+QUARANTINED = "sglang:decode_kv_quarantined_rooms"
+QUARANTINED_TOKENS = "sglang:decode_kv_quarantined_tokens"
+QUARANTINES = "sglang:decode_kv_quarantines_total"
+
+
+def failed_on_the_waiting_timeout(stack: Stack, call: Call) -> int:
+    """The client's 500 once decode failed the room on its waiting timeout, naming the
+    variable that bounded it (patch 0010); the room's bootstrap_room, read from it."""
+    call.join(stack.waiting_s + 40)
+    assert not call.is_alive(), "decode did not fail the request while prefill was frozen"
+    assert call.status == 500, (call.status, call.text)
+    waited = re.search(
+        r"timed out after ([\d.]+)s in KVPoll.WaitingForInput; "
+        rf"bounded by SGLANG_DISAGGREGATION_WAITING_TIMEOUT={stack.waiting_s:g}\b",
+        call.text,
+    )
+    assert waited, call.text
+    assert float(waited.group(1)) >= stack.waiting_s
+    return int(re.search(r"bootstrap_room=(\d+)", call.text).group(1))
+
+
+def wait_quarantined(stack: Stack, room: int, quarantines_before: float) -> dict[str, float]:
+    """Patch 0024: decode keeps the failed room's pages past the deferred-release timeout,
+    where upstream logged "releasing anyway" and freed them. Waits for decode's own line for
+    the room (the state then holds for as long as prefill is stopped), and returns decode's
+    /metrics: the quarantine counted, the room and its tokens in the gauges."""
+    entered = re.compile(rf"KV quarantine: room {room} \(rid \w+\) was failed")
+    wait_for(
+        lambda: entered.search(stack.log("decode")),
+        DEFERRED_RELEASE_S + 30,
+        f"decode quarantining room {room}",
+        lambda: stack.log("decode")[-3000:],
+    )
+    assert "releasing anyway" not in stack.log("decode")
+    metrics = stack.metrics("decode")
+    assert metrics[QUARANTINES] == quarantines_before + 1
+    assert metrics[QUARANTINED] == 1 and metrics[QUARANTINED_TOKENS] > 0, metrics
+    return metrics
+
+
+def wait_quarantine_lifted(stack: Stack, room: int) -> None:
+    """After prefill runs again: it acknowledges the abort, decode releases the room's pages
+    (its log says so) and the gauges go back to 0."""
+    left = re.compile(
+        rf"KV quarantine: room {room} \(rid \w+\) leaves after [\d.]+s, its \d+ KV tokens "
+        r"released: prefill acknowledged the abort"
+    )
+    wait_for(
+        lambda: left.search(stack.log("decode")),
+        30,
+        f"decode releasing room {room} on prefill's acknowledgement",
+        lambda: stack.log("decode")[-3000:],
+    )
+    metrics = stack.metrics("decode")
+    assert metrics[QUARANTINED] == 0 and metrics[QUARANTINED_TOKENS] == 0, metrics
+
+
 def prefill_frozen(stack: Stack) -> None:
     """Decode bootstraps the room and waits for KV that never comes (prefill's scheduler is
-    stopped): it fails the request after SGLANG_DISAGGREGATION_WAITING_TIMEOUT and frees it."""
+    stopped): it fails the request after SGLANG_DISAGGREGATION_WAITING_TIMEOUT. The room's
+    pages stay quarantined while prefill is stopped (patch 0024), and are released once
+    prefill runs again and acknowledges the abort."""
     ready(stack)
     failed_before = stack.metrics("decode").get(FAILED, 0.0)
+    quarantines_before = stack.metrics("decode").get(QUARANTINES, 0.0)
     prefill = stack.schedulers("prefill")
     suspend(prefill)
     try:
         call = Call(stack, stack.body)
         call.start()
-        call.join(stack.waiting_s + 40)
-        assert not call.is_alive(), "decode did not fail the request while prefill was frozen"
-        assert call.status == 500, (call.status, call.text)
-        waited = re.search(
-            r"timed out after ([\d.]+)s in KVPoll.WaitingForInput; "
-            rf"bounded by SGLANG_DISAGGREGATION_WAITING_TIMEOUT={stack.waiting_s:g}\b",
-            call.text,
-        )
-        assert waited, call.text
-        assert float(waited.group(1)) >= stack.waiting_s
-        wait_idle(stack, "decode", timeout_s=DEFERRED_RELEASE_S + 30)
+        room = failed_on_the_waiting_timeout(stack, call)
+        wait_quarantined(stack, room, quarantines_before)
+        assert loads.held(stack.loads("decode")).get("num_used_tokens", 0) > 0
         assert stack.metrics("decode")[FAILED] == failed_before + 1
     finally:
         resume(prefill)
-    # Prefill drops the room 28-30 s after decode failed it, in the same second as decode's
-    # "Deferred KV release ... timed out after 30.0s without a full drain ack from prefill".
+    wait_quarantine_lifted(stack, room)
+    wait_idle(stack, "decode")
+    wait_idle(stack, "prefill", timeout_s=60)
+    serves_a_fresh_request(stack)
+
+
+# Bounds on the steps that stop prefill's scheduler just after it starts a room.
+STEP_S = 0.01
+MAX_STEPS = 400
+
+
+def stop_after_first_chunk(stack: Stack, prefill: list[psutil.Process], batches: int) -> int:
+    """Prefill's scheduler, stopped, runs in 10 ms steps until its log shows a new prefill
+    batch (the room's first chunk), and stays stopped there: a point that cannot be missed,
+    however fast the engine. Returns the steps it took."""
+    for step in range(1, MAX_STEPS + 1):
+        resume(prefill)
+        time.sleep(STEP_S)
+        suspend(prefill)
+        if stack.log("prefill").count("Prefill batch") > batches:
+            return step
+        time.sleep(0.05)
+    pytest.fail(f"prefill logged no batch in {MAX_STEPS} steps of {STEP_S} s")
+
+
+def generate(stack: Stack, body: dict) -> tuple[list[int], list[float]]:
+    """A request through the router: its greedy output ids and their logprobs."""
+    done = stack.post("/generate", {**body, "return_logprob": True}, timeout=180)
+    return done["output_ids"], [x[0] for x in done["meta_info"]["output_token_logprobs"]]
+
+
+def prefill_frozen_mid_transfer(stack: Stack, long_body: dict, second: dict) -> None:
+    """Late writes into reused pages. Prefill's scheduler alone is stopped just after it starts
+    sending the long room (decode has the room in its transfer queue, prefill logged its first
+    chunk). Decode fails the room on its waiting timeout. Upstream then released its pages
+    anyway after SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT; with patch 0024 they
+    stay quarantined. The second request needs them (the decode pool is sized so): it waits in
+    decode's prealloc queue. Prefill runs again, acknowledges the abort, decode releases the
+    room, and the second request, in those pages, gets exactly its reference tokens and
+    logprobs (taken on the healthy stack first)."""
+    ready(stack)
+    reference = generate(stack, second)
+    ready(stack)
+    failed_before = stack.metrics("decode").get(FAILED, 0.0)
+    quarantines_before = stack.metrics("decode").get(QUARANTINES, 0.0)
+    prefill = stack.schedulers("prefill")
+    batches = stack.log("prefill").count("Prefill batch")
+    suspend(prefill)
+    try:
+        call = Call(stack, long_body)
+        call.start()
+        # Decode queues the room for transfer once it sent prefill the room's destinations.
+        wait_for(
+            lambda: loads.held(stack.loads("decode")).get("decode_transfer_queue_reqs") == 1,
+            stack.waiting_s / 2,
+            "decode sending the long room's destinations",
+        )
+        steps = stop_after_first_chunk(stack, prefill, batches)
+        held = loads.held(stack.loads("decode"))
+        print(f"prefill stopped after {steps} steps; decode holds {held}")
+        assert held.get("decode_transfer_queue_reqs") == 1, held  # not sent whole
+        room = failed_on_the_waiting_timeout(stack, call)
+        wait_quarantined(stack, room, quarantines_before)
+        quarantined = loads.held(stack.loads("decode"))
+        assert quarantined.get("num_used_tokens", 0) >= len(long_body["input_ids"]), quarantined
+        waiting = Call(stack, {**second, "return_logprob": True})
+        waiting.start()
+        # The second request cannot get pages: it waits in decode's prealloc queue, and stays
+        # there while the room is quarantined.
+        wait_for(
+            lambda: loads.held(stack.loads("decode")).get("decode_prealloc_queue_reqs") == 1,
+            30,
+            "the second request waiting for decode's pages",
+            lambda: loads.held(stack.loads("decode")),
+        )
+        time.sleep(2)
+        still = loads.held(stack.loads("decode"))
+        assert still.get("decode_prealloc_queue_reqs") == 1, still
+        assert still.get("num_used_tokens") == quarantined["num_used_tokens"], still
+        assert stack.metrics("decode")[FAILED] == failed_before + 1
+    finally:
+        resume(prefill)
+    wait_quarantine_lifted(stack, room)
+    waiting.join(180)
+    assert waiting.status == 200, (waiting.status, waiting.text[:2000])
+    got = json.loads(waiting.text)
+    tokens = got["output_ids"]
+    logprobs = [x[0] for x in got["meta_info"]["output_token_logprobs"]]
+    assert tokens == reference[0], (tokens, reference[0])
+    assert max(abs(a - b) for a, b in zip(logprobs, reference[1], strict=True)) < 1e-4
+    wait_idle(stack, "decode")
     wait_idle(stack, "prefill", timeout_s=60)
     serves_a_fresh_request(stack)
 

@@ -38,7 +38,7 @@ from engine_harness import (
     loads_files_of,
     multiround,
     pd,
-    prefill_frozen,
+    prefill_frozen_mid_transfer,
     ready,
     resume,
     serves_a_fresh_request,
@@ -77,6 +77,21 @@ GREEDY = {
     "text": "hello world the quick brown fox",
     "sampling_params": {"max_new_tokens": 12, "temperature": 0},
 }
+# Late writes into reused pages (patch 0024). Prefill sends in chunks of 128 tokens, so the long
+# room is stopped after its first of 19. Decode admits a room when its free KV covers the prompt
+# plus sglang's 512 tokens reserved for decoding: in a pool of 3072 the long room (2400 tokens)
+# fits, and while it is held only 672 tokens are free, less than the second request (900 + 512)
+# needs; once the room's pages are released the second request must take some of them (its
+# 900 tokens do not fit in the 672 that were free). The prompts are plain token ids.
+STACK_ARGS = {"prefill": "--chunked-prefill-size 128", "decode": "--max-total-tokens 3072"}
+LONG_ROOM = {
+    "input_ids": [2 + (7 * i) % 400 for i in range(2400)],
+    "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+}
+SECOND_ROOM = {
+    "input_ids": [2 + (11 * i + 5) % 400 for i in range(900)],
+    "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +105,12 @@ def cpu_stack(tmp_path_factory):
     assert model.returncode == 0, model.stderr[-3000:]
     LOADS_FILES_BEFORE_UP.update(loads_files_in_shm())
     stack = start_fault_stack(
-        "cpu", tmp_path_factory.mktemp("cpu-stack"), GREEDY, WAITING_TIMEOUT_S, INFLIGHT_TIMEOUT_S
+        "cpu",
+        tmp_path_factory.mktemp("cpu-stack"),
+        GREEDY,
+        WAITING_TIMEOUT_S,
+        INFLIGHT_TIMEOUT_S,
+        args=STACK_ARGS,
     )
     yield stack
     stop_stack(stack)
@@ -390,10 +410,13 @@ def test_monitoring_reads_only_names_the_live_stack_exports(cpu_stack, prometheu
     assert {(r["health"], r.get("lastError", "")) for r in evaluated} == {("ok", "")}
 
 
-def test_prefill_frozen_decode_fails_the_room_after_its_waiting_timeout(cpu_stack):
-    """Decode bootstraps the room and waits for KV that never comes (prefill's scheduler is
-    stopped): it fails the request after SGLANG_DISAGGREGATION_WAITING_TIMEOUT and frees it."""
-    prefill_frozen(cpu_stack)
+def test_prefill_stopped_mid_transfer_no_late_write_lands_in_reused_pages(cpu_stack):
+    """Prefill's scheduler alone stopped after it starts sending a long room: decode fails the
+    room after SGLANG_DISAGGREGATION_WAITING_TIMEOUT and keeps its pages quarantined until
+    prefill, running again, acknowledges the abort; a second request that needs those pages
+    waits for them and then gets exactly its reference tokens and logprobs
+    (engine_harness.prefill_frozen_mid_transfer)."""
+    prefill_frozen_mid_transfer(cpu_stack, LONG_ROOM, SECOND_ROOM)
 
 
 def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(cpu_stack):
