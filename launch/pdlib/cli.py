@@ -8,7 +8,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from launch.pdlib import checks, envcheck, envfiles, loadfiles, monitoring, rotation, systemd_units
+from launch.pdlib import (
+    checks,
+    envcheck,
+    envfiles,
+    loadfiles,
+    maintenance,
+    monitoring,
+    rotation,
+    systemd_units,
+)
 from launch.pdlib.envfiles import EnvFileError, Redactor
 from launch.pdlib.files import write_whole
 from launch.pdlib.stack import ROOT, Role, Stack, load_stack
@@ -72,6 +81,12 @@ def _started(stack: Stack, role: Role, out) -> None:
         out(f"{role.name}: back in the router's worker list ({stack.workers_file})")
 
 
+def _mark(out, problem: str | None) -> None:
+    """A maintenance mark that could not be written is said, and the verb goes on."""
+    if problem:
+        out(f"note: {problem}", err=True)
+
+
 def _routes_to_all(stack: Stack, router: Role, out) -> bool:
     """With several instances the router is ready once it has one prefill and one decode;
     wait until it routes to every instance on its worker list."""
@@ -111,6 +126,7 @@ def cmd_up(args) -> int:
         else:
             if role.kind == "router":
                 _started(stack, role, out)
+            _mark(out, maintenance.starting(stack, role))
             out(f"{role.name}: {sup.start(role).detail}")
         if args.no_wait:
             continue
@@ -124,6 +140,7 @@ def cmd_up(args) -> int:
             _started(stack, role, out)
         elif not _routes_to_all(stack, role, out):
             return 1
+        _mark(out, maintenance.in_service(stack, role))
     return 0
 
 
@@ -132,6 +149,7 @@ def cmd_down(args) -> int:
     for role in reversed(_here(stack, stack.select(args.roles), out)):
         if stack.several and role.kind != "router" and rotation.put(stack, role, False):
             out(f"{role.name}: taken out of the router's worker list")
+        _mark(out, maintenance.stopped(stack, role))
         detail = sup.stop(role).detail
         if remove_secret(stack.run_dir, role):
             detail += "; its API key file removed"
@@ -179,11 +197,15 @@ def _show_failure(out, sup, role: Role, detail: str, lines: int) -> None:
         out(line, err=True)
 
 
-def _restart_healthy(stack: Stack, sup, role: Role, out, log_lines: int, tag: str):
+def _restart_healthy(
+    stack: Stack, sup, role: Role, out, log_lines: int, tag: str, mark: bool = True
+):
     """Restart one instance and wait for its health; the Healthy result, or None when the
     supervisor could not restart it (said on stderr)."""
     started = time.time()
     out(f"[{tag}] restarting ({sup.kind}{', sim' if stack.sim else ''})")
+    if mark:  # rolling-restart marked it when it took it out of rotation
+        _mark(out, maintenance.starting(stack, role))
     try:
         detail = sup.restart(role).detail
         out(f"[{tag}] {detail} ({time.time() - started:.1f} s)")
@@ -213,8 +235,10 @@ def _restart_in_service(stack: Stack, sup, role: Role, out, log_lines: int) -> b
         return False
     if role.kind != "router":
         _started(stack, role, out)
-        return True
-    return _routes_to_all(stack, role, out)
+    elif not _routes_to_all(stack, role, out):
+        return False
+    _mark(out, maintenance.in_service(stack, role))
+    return True
 
 
 def cmd_co_restart(args) -> int:
@@ -293,6 +317,10 @@ def cmd_rolling_restart(args) -> int:
                 f"{role.name} out would stop the service",
             )
         out(f"[{tag}] out of rotation (the router keeps {', '.join(others)})")
+        _mark(
+            out,
+            maintenance.starting(stack, role, args.drain_timeout + 2 * args.router_timeout),
+        )
         rotation.put(stack, role, False)
         gone = rotation.wait_router(stack, role, False, args.router_timeout)
         if not gone.ok:
@@ -303,7 +331,7 @@ def cmd_rolling_restart(args) -> int:
             out(f"[{tag}] drained after {drained.seconds:.1f} s ({drained.detail})")
         else:
             out(f"[{tag}] {drained.detail}; restarting anyway")
-        if _restart_healthy(stack, sup, role, out, args.log_lines, tag) is None:
+        if _restart_healthy(stack, sup, role, out, args.log_lines, tag, mark=False) is None:
             return _out_of_rotation(out, role, "it did not come back healthy")
         results = checks.environ_checks(replace(stack, roles={role.name: role}))
         for check in results:
@@ -315,6 +343,7 @@ def cmd_rolling_restart(args) -> int:
         if not back.ok:
             return _out_of_rotation(out, role, back.detail)
         out(f"[{tag}] {back.detail} after {back.seconds:.1f} s")
+        _mark(out, maintenance.in_service(stack, role))
     out(f"rolling-restart {args.role} done in {time.time() - t0:.1f} s")
     return 0
 
@@ -360,8 +389,16 @@ def cmd_metrics(args) -> int:
     return 0 if all(ok for ok, _ in rows) else 1
 
 
+def _checked(env_dir: Path, for_monitoring: bool) -> tuple[list[str], list[str]]:
+    """env check's problems and notes; for monitoring, also the engines without /metrics."""
+    problems, notes = envcheck.check(env_dir)
+    if for_monitoring and not problems:
+        problems = monitoring.metrics_problems(load_stack(env_dir, sim=False))
+    return problems, notes
+
+
 def cmd_env_check(args) -> int:
-    problems, notes = envcheck.check(args.env_dir)
+    problems, notes = _checked(args.env_dir, args.monitoring)
     try:
         out = Out(envfiles.EnvDir(args.env_dir).redactor())
     except EnvFileError:
@@ -375,7 +412,7 @@ def cmd_env_check(args) -> int:
 
 
 def cmd_monitoring(args) -> int:
-    problems, _ = envcheck.check(args.env_dir)
+    problems, _ = _checked(args.env_dir, True)
     if problems:
         out = Out(Redactor([]))
         for problem in problems:
@@ -390,6 +427,8 @@ def cmd_monitoring(args) -> int:
         "slack",
         "down_after",
         "stalled_after",
+        "flap_window",
+        "verify_stale_after",
     ):
         value = getattr(args, option)
         if value is not None and value <= 0:
@@ -407,12 +446,32 @@ def cmd_monitoring(args) -> int:
         return 2
     stack = load_stack(args.env_dir, sim=False)
     windows = monitoring.windows(
-        stack, args.stuck_after, args.held_after, args.slack, args.down_after, args.stalled_after
+        stack,
+        args.stuck_after,
+        args.held_after,
+        args.slack,
+        args.down_after,
+        args.stalled_after,
+        args.flap_window,
+        args.verify_stale_after,
+        args.scrape_interval,
     )
     for path in monitoring.render(
-        out_dir, stack, windows, args.scrape_interval, args.env_dir.resolve()
+        out_dir,
+        stack,
+        windows,
+        args.scrape_interval,
+        args.env_dir.resolve(),
+        args.textfile_target,
     ):
         print(f"wrote {path}")
+    if not windows.marked and args.down_after is None:
+        print(
+            f"note: {maintenance.VARIABLE} is not set in common.env, so launch/pd cannot mark "
+            "its own restarts; PDInstanceDown waits each role's health timeout "
+            f"({', '.join(f'{k} {v:g} s' for k, v in windows.down.items())}) instead of "
+            f"{monitoring.DOWN_AFTER_S:g} s"
+        )
     if not windows.inflight_bounded:
         print(
             "note: SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT is not set for prefill; "
@@ -622,15 +681,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--slack",
         type=float,
         default=60.0,
-        help="seconds added to the PD timeouts for the queue alerts; sglang refreshes an idle "
-        "engine's gauges at least every 30 s (default: 60)",
+        help="seconds a room may outlive the PD timeout that bounds it before its queue alert "
+        "fires (default: 60)",
     )
     p.add_argument(
         "--down-after",
         type=float,
-        help="seconds an instance may fail its scrape before PDInstanceDown fires; also sets "
-        "PDInstanceNotRouted to twice this (default: the role's ROLE_HEALTH_TIMEOUT_S, and "
-        "a rolling restart's longest run for PDInstanceNotRouted)",
+        help="seconds an instance may fail its scrape, outside launch/pd's maintenance marks, "
+        "before PDInstanceDown fires; also sets PDInstanceNotRouted to twice this (default: "
+        f"{monitoring.DOWN_AFTER_S:g} with PD_TEXTFILE_DIR set, and that + "
+        f"{rotation.ROUTER_TIMEOUT_S:g} for PDInstanceNotRouted; without it the role's "
+        "ROLE_HEALTH_TIMEOUT_S, and a rolling restart's longest run for PDInstanceNotRouted)",
+    )
+    p.add_argument(
+        "--flap-window",
+        type=float,
+        default=monitoring.FLAP_S,
+        help=f"seconds in which {monitoring.FLAP_CHANGES} changes of an instance's `up` fire "
+        f"PDInstanceFlapping (default: {monitoring.FLAP_S:g})",
+    )
+    p.add_argument(
+        "--verify-stale-after",
+        type=float,
+        default=monitoring.VERIFY_STALE_S,
+        help="seconds the newest launch/pd verify --textfile result may be old before "
+        f"PDVerifyStale fires (default: {monitoring.VERIFY_STALE_S:g})",
+    )
+    p.add_argument(
+        "--textfile-target",
+        metavar="HOST:PORT",
+        help="a node_exporter that reads PD_TEXTFILE_DIR: adds a scrape job for it, so verify "
+        "results and maintenance marks reach this Prometheus (default: none; your own "
+        "node_exporter job does the same)",
     )
     p.add_argument(
         "--stalled-after",
@@ -645,6 +727,11 @@ def build_parser() -> argparse.ArgumentParser:
     env_sub = env.add_subparsers(dest="env_verb", required=True, metavar="ENV_VERB")
     p = env_sub.add_parser(
         "check", parents=[common], help="format, unknown SGLANG_* names, knob values"
+    )
+    p.add_argument(
+        "--monitoring",
+        action="store_true",
+        help="also what launch/pd monitoring needs: every engine started with --enable-metrics",
     )
     p.set_defaults(func=cmd_env_check)
     p = env_sub.add_parser("diff", help="lines that differ between two env files or dirs")

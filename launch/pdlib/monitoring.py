@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from launch.pdlib import rotation
+from launch.pdlib import maintenance, rotation
 from launch.pdlib.files import write_whole
 from launch.pdlib.stack import ROOT, Stack
 
@@ -47,6 +48,17 @@ UNBOUNDED_INFLIGHT_S = 600.0
 # far above one forward pass on a GPU, and far below sglang's 300 s watchdog, which stops with
 # the scheduler anyway.
 STALLED_AFTER_S = 120.0
+# With maintenance marks (PD_TEXTFILE_DIR), an instance that fails its scrape outside launch/pd's
+# own work pages after this long.
+DOWN_AFTER_S = 120.0
+# A crash loop: this many changes of `up` (two down-and-back cycles) within FLAP_S.
+FLAP_S = 900.0
+FLAP_CHANGES = 4
+# The newest verify result may be this old (verify from cron or a timer, at least hourly).
+VERIFY_STALE_S = 3600.0
+# sglang's per-step token counter: it moves on every forward step (mode prefill_compute,
+# prefill_cache, decode), where sglang:generation_tokens_total moves only when a request ends.
+STEP_TOKENS = "realtime_tokens_total"
 SCHEDULER_SECONDS = ("scheduler_stage_seconds_total", "scheduler_idle_seconds_total")
 METRIC_RE = re.compile(r"\b(sglang:[a-z0-9_:]+|smg_[a-z0-9_]+|sm120pd_[a-z0-9_]+|up)\b")
 EITHER_RE = re.compile(r'__name__=~"sglang\[:_\]([a-z0-9_:]+)"')
@@ -68,10 +80,15 @@ class Windows:
     down: dict[str, float]
     unrouted: dict[str, float]
     inflight: float
-    decode_queue: float
+    transfer: float
+    prealloc: float
     inflight_bounded: bool
+    marked: bool = False
     down_given: bool = False
     stalled: float = STALLED_AFTER_S
+    flap: float = FLAP_S
+    verify_stale: float = VERIFY_STALE_S
+    scrape: float = 15.0
 
 
 def _max_value(stack: Stack, kind: str, key: str) -> float | None:
@@ -91,15 +108,25 @@ def windows(
     slack: float,
     down=None,
     stalled: float = STALLED_AFTER_S,
+    flap: float = FLAP_S,
+    verify_stale: float = VERIFY_STALE_S,
+    scrape: float = 15.0,
 ) -> Windows:
-    """The alert windows from the env files (launch/pd env check has vetted the values); down
-    replaces the roles' health timeouts as the time an instance may be down."""
+    """The alert windows from the env files (launch/pd env check has vetted the values). An
+    instance may be down DOWN_AFTER_S when launch/pd marks its own work (PD_TEXTFILE_DIR), else
+    its role's health timeout; `down` replaces either."""
     health = {kind: max(r.health_timeout_s for r in stack.of_kind(kind)) for kind in ROLE_KINDS}
-    down_s = {kind: down if down is not None else health[kind] for kind in ROLE_KINDS}
+    marked = maintenance.textfile_dir(stack) is not None
+    down_s = {
+        kind: down if down is not None else DOWN_AFTER_S if marked else health[kind]
+        for kind in ROLE_KINDS
+    }
     unrouted = {
-        kind: rotation.DRAIN_TIMEOUT_S + health[kind] + 2 * rotation.ROUTER_TIMEOUT_S
-        if down is None
-        else 2 * down
+        kind: 2 * down
+        if down is not None
+        else DOWN_AFTER_S + rotation.ROUTER_TIMEOUT_S
+        if marked
+        else rotation.DRAIN_TIMEOUT_S + health[kind] + 2 * rotation.ROUTER_TIMEOUT_S
         for kind in ("prefill", "decode")
     }
     inflight = _max_value(stack, "prefill", "SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT")
@@ -112,10 +139,15 @@ def windows(
         down=down_s,
         unrouted=unrouted,
         inflight=(inflight if inflight else UNBOUNDED_INFLIGHT_S) + slack,
-        decode_queue=max(waiting or UPSTREAM_WAITING_S, bootstrap or UPSTREAM_BOOTSTRAP_S) + slack,
+        transfer=(waiting or UPSTREAM_WAITING_S) + slack,
+        prealloc=(bootstrap or UPSTREAM_BOOTSTRAP_S) + slack,
         inflight_bounded=bool(inflight),
+        marked=marked,
         down_given=down is not None,
         stalled=stalled,
+        flap=flap,
+        verify_stale=verify_stale,
+        scrape=scrape,
     )
 
 
@@ -176,6 +208,27 @@ def _alert(
     }
 
 
+_DECODE_MODE = 'mode="decode"'
+
+
+def _queue(name: str) -> str:
+    return f'queue="{name}"'
+
+
+def _q(name: str, selector: str, labels: str = "") -> str:
+    """An sglang series under either spelling, with extra label matchers."""
+    return _sglang(name, selector + (f",{labels}" if labels else ""))
+
+
+def _marked(stack: Stack, w: Windows) -> str:
+    """`unless` clause: the instance is under a maintenance mark (launch/pd is stopping or
+    restarting it); empty when the env files give launch/pd nowhere to write marks."""
+    if not w.marked:
+        return ""
+    mark = f'{maintenance.METRIC}{{stack="{stack.unit_prefix}"}}'
+    return f"\nunless on(stack, pd_instance) ({mark} > time())"
+
+
 def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
     """The alert rules: each says what the series show and what to run next, never a cause."""
     p = stack.unit_prefix
@@ -186,89 +239,82 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
     triage = f"{ROOT}/bench/triage {env}"
     verify, probe = f"{pd} verify {env}", f"{pd} probe {env}"
     progress = min(60.0, w.stuck)
-    requests = " + ".join(
-        [_sum0(m, engines) for m in ("sglang:num_running_reqs", "sglang:num_queue_reqs")]
-        + [_sum0(f"sglang:num_prefill_{q}_queue_reqs", prefill) for q in ("bootstrap", "inflight")]
-        + [_sum0(f"sglang:num_decode_{q}_queue_reqs", decode) for q in ("prealloc", "transfer")]
-    )
-    tokens = " + ".join(
-        f"(sum(increase(sglang:{c}_tokens_total{{{engines}}}[{_d(progress)}])) or vector(0))"
-        for c in ("prompt", "generation")
-    )
+    brief = 2 * w.scrape
+    requests = f"(sum({_q('pd_queue_requests', engines)}) or vector(0))"
+    steps = f"(sum(increase({_q(STEP_TOKENS, engines)}[{_d(progress)}])) or vector(0))"
+    oldest = "pd_queue_oldest_seconds"
     out = [
         _alert(
             "PDRequestsStuckBeforeIdleEngines",
             f"sum(smg_worker_requests_active{{{router}}}) > 0\n"
-            f"and on() ({requests}) == 0\n"
-            f"and on() ({tokens}) == 0\n"
+            f"and on() {requests} == 0\n"
+            f"and on() {steps} == 0\n"
             f"unless on() (min(up{{{engines}}}) == 0)",
             w.stuck,
             "critical",
             f"Requests held by the router, engines idle. Run: {triage}",
             "The router has had {{ $value }} call(s) out to its engines (a PD request makes "
             f"one to a prefill and one to a decode) for {_d(w.stuck)} while every engine "
-            "reported nothing running or queued (PD queues included) and counted no token, all "
-            "engines answering their scrapes.",
+            "held no request, running, waiting or in a PD queue (sglang:pd_queue_requests, "
+            f"refreshed with its load snapshot), and ran no forward step ({STEP_TOKENS} did "
+            "not move), all engines answering their scrapes.",
         ),
         _alert(
             "PDPrefillKVPinned",
-            f"sglang:num_prefill_inflight_queue_reqs{{{prefill}}} > 0\n"
-            f"and on(instance) (sum by (instance) "
-            f"(increase(sglang:kv_transfer_latency_ms_count{{{prefill}}}[{_d(w.inflight)}])) "
-            "== 0)",
-            w.inflight,
+            f"{_q(oldest, prefill, _queue('prefill_inflight'))} > {w.inflight:g}",
+            0,
             "critical",
-            f"KV held in prefill's inflight queue with no transfer concluding. Run: {verify}; "
-            f"then {triage}",
-            "{{ $labels.pd_instance }} has held {{ $value }} request(s) in its inflight queue "
-            f"for {_d(w.inflight)} and concluded no KV transfer in that time"
+            f"A prefill room holds its KV past the inflight timeout. Run: {verify}; then {triage}",
+            "{{ $labels.pd_instance }}'s oldest room in the inflight queue (its KV sent or "
+            "being sent, waiting for decode to conclude) has waited {{ $value }} s"
             + (
-                f": longer than SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT (+{_d(w.slack)} for the "
-                "gauge's refresh), which should fail such a room."
+                f": longer than SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT + {_d(w.slack)}, which "
+                "should have failed it and released its KV."
                 if w.inflight_bounded
                 else "; SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT is not set in the env files, "
                 "so nothing bounds such a room."
             ),
         ),
-    ]
-    for queue in ("transfer", "prealloc"):
-        out.append(
-            _alert(
-                f"PDDecode{queue.capitalize()}QueueStuck",
-                f"sglang:num_decode_{queue}_queue_reqs{{{decode}}} > 0\n"
-                f"and on(instance) (sum by (instance) "
-                f"(increase(sglang:generation_tokens_total{{{decode}}}[{_d(w.decode_queue)}])) "
-                "== 0)",
-                w.decode_queue,
-                "critical",
-                f"Requests held in decode's {queue} queue with no token generated. Run: {verify}; "
-                f"then {triage}",
-                "{{ $labels.pd_instance }} has held {{ $value }} request(s) in its "
-                f"{queue} queue for {_d(w.decode_queue)} and generated no token in that time: "
-                "longer than SGLANG_DISAGGREGATION_WAITING_TIMEOUT and "
-                f"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (+{_d(w.slack)} for the gauge's "
-                "refresh).",
-            )
-        )
-    used = f"(sglang:num_used_tokens{{{engines}}} > 0 or sglang:swa_used_tokens{{{engines}}} > 0)"
-    out.append(
+        _alert(
+            "PDDecodeTransferQueueStuck",
+            f"{_q(oldest, decode, _queue('decode_transfer'))} > {w.transfer:g}",
+            0,
+            "critical",
+            f"A decode room waits for its KV past the waiting timeout. Run: {verify}; then "
+            f"{triage}",
+            "{{ $labels.pd_instance }}'s oldest room in the transfer queue has waited "
+            "{{ $value }} s for its KV: longer than SGLANG_DISAGGREGATION_WAITING_TIMEOUT + "
+            f"{_d(w.slack)}, which should have failed it.",
+        ),
+        _alert(
+            "PDDecodePreallocQueueStuck",
+            f"{_q(oldest, decode, _queue('decode_prealloc'))} > {w.prealloc:g}\n"
+            f"unless on(instance) (sum by (instance) "
+            f"(increase({_q(STEP_TOKENS, decode, _DECODE_MODE)}[{_d(w.prealloc)}])) > 0)",
+            0,
+            "critical",
+            f"A decode room waits to be admitted while decode runs no step. Run: {verify}; then "
+            f"{triage}",
+            "{{ $labels.pd_instance }}'s oldest room in the prealloc queue has waited "
+            "{{ $value }} s to bootstrap or for KV space, longer than "
+            f"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT + {_d(w.slack)}, and decode ran no "
+            f"decode step in that time ({STEP_TOKENS}).",
+        ),
         _alert(
             "PDTokensHeldAfterTraffic",
-            f"{used}\n"
-            f"and on(instance) ((sum by (instance) (sglang:num_running_reqs{{{engines}}}) "
-            f"+ sum by (instance) (sglang:num_queue_reqs{{{engines}}})) == 0)\n"
-            f"and on(instance) ((sum by (instance) "
-            f"(increase(sglang:prompt_tokens_total{{{engines}}}[{_d(w.held)}])) "
-            f"+ sum by (instance) "
-            f"(increase(sglang:generation_tokens_total{{{engines}}}[{_d(w.held)}]))) == 0)",
+            f"{_q('pd_used_tokens', engines)} > 0\n"
+            f"and on(instance) (sum by (instance) ({_q('pd_queue_requests', engines)}) == 0)\n"
+            f"unless on(instance) (sum by (instance) "
+            f"(increase({_q(STEP_TOKENS, engines)}[{_d(w.held)}])) > 0)",
             w.held,
             "warning",
             f"KV tokens still used after the traffic stopped. Run: {pd} metrics {env}; then "
             f"{probe}",
-            "{{ $labels.pd_instance }} still uses {{ $value }} KV tokens although it has "
-            f"run, queued and counted no request token for {_d(w.held)}.",
-        )
-    )
+            "{{ $labels.pd_instance }} still uses {{ $value }} KV tokens (sglang:pd_used_tokens) "
+            "although it holds no request, running, waiting or in a PD queue, and has run no "
+            f"forward step for {_d(w.held)}.",
+        ),
+    ]
     stage, idle = (f"increase({_sglang(m, engines)}[{_d(w.stalled)}])" for m in SCHEDULER_SECONDS)
     out.append(
         _alert(
@@ -287,56 +333,124 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             "checks keep passing while it stands still.",
         )
     )
+    marked = _marked(stack, w)
+    why_down = (
+        "monitoring's --down-after"
+        if w.down_given
+        else "with no maintenance mark from launch/pd"
+        if w.marked
+        else "longer than launch/pd waits for a {kind} to come up"
+    )
     for kind in ROLE_KINDS:
         out.append(
             _alert(
                 "PDInstanceDown",
-                f'up{{job="{job(stack, kind)}"}} == 0',
+                f'up{{job="{job(stack, kind)}"}} == 0{marked}',
                 w.down[kind],
                 "critical",
                 f"A {kind} instance does not answer its scrape. Run: {pd} status {env}; then "
                 f"{pd} logs {{{{ $labels.pd_instance }}}} {env}",
                 "{{ $labels.pd_instance }} ({{ $labels.instance }}) has not answered Prometheus "
-                f"for {_d(w.down[kind])}: "
-                + (
-                    "monitoring's --down-after."
-                    if w.down_given
-                    else f"longer than launch/pd waits for a {kind} to come up."
-                ),
+                f"for {_d(w.down[kind])}, {why_down.format(kind=kind)}.",
                 role=kind,
             )
         )
+        out.append(
+            _alert(
+                "PDTargetsAbsent",
+                f'absent(up{{job="{job(stack, kind)}"}})',
+                3 * w.scrape,
+                "critical",
+                f"Prometheus has no {kind} target for this stack. Run: {pd} monitoring {env} "
+                "--out DIR --force, and compare DIR/targets with the files Prometheus reads",
+                f"Job {job(stack, kind)} has no target: its file_sd file is missing or empty, so "
+                f"nothing about the {kind} instances can alert.",
+                role=kind,
+            )
+        )
+    everyone = f'job=~"{p}-(prefill|decode|router)"'
+    mark = f'{maintenance.METRIC}{{stack="{p}"}}'
+    out.append(
+        _alert(
+            "PDInstanceFlapping",
+            f"changes(up{{{everyone}}}[{_d(w.flap)}]) >= {FLAP_CHANGES}"
+            + (
+                f"\nunless on(stack, pd_instance) "
+                f"(max_over_time({mark}[{_d(w.flap)}]) > time() - {w.flap:g})"
+                if w.marked
+                else ""
+            ),
+            0,
+            "critical",
+            f"An instance keeps going down and coming back. Run: {pd} status {env}; then "
+            f"{pd} logs {{{{ $labels.pd_instance }}}} {env}",
+            "{{ $labels.pd_instance }} ({{ $labels.instance }}) changed between answering and "
+            f"not answering its scrape {{{{ $value }}}} times in {_d(w.flap)}"
+            + (", none of it under a maintenance mark" if w.marked else "")
+            + ": a crash loop can answer one scrape per cycle and never stay down long "
+            "enough for PDInstanceDown.",
+        )
+    )
     for kind in ("prefill", "decode"):
         out.append(
             _alert(
                 "PDInstanceNotRouted",
                 f'up{{job="{job(stack, kind)}"}} == 1\n'
                 f"unless on(worker) (smg_worker_health{{{router}}} == 1)\n"
-                f"and on() (up{{{router}}} == 1)",
+                f"and on() (up{{{router}}} == 1){marked}",
                 w.unrouted[kind],
                 "warning",
                 f"An engine answers, but the router does not route to it. Run: {probe}",
                 "{{ $labels.pd_instance }} ({{ $labels.worker }}) answers its scrape, and the "
                 "router has not listed it as a healthy worker for "
-                f"{_d(w.unrouted[kind])}: "
+                f"{_d(w.unrouted[kind])}"
                 + (
-                    "twice monitoring's --down-after."
+                    " (twice monitoring's --down-after)."
                     if w.down_given
-                    else "longer than a rolling restart takes."
+                    else ", with no maintenance mark from launch/pd."
+                    if w.marked
+                    else ": longer than a rolling restart takes."
                 ),
                 role=kind,
             )
         )
+    check = f'sm120pd_verify_check_ok{{stack="{p}"'
     out.append(
         _alert(
             "PDKnobDrift",
-            f'sm120pd_verify_check_ok{{stack="{p}"}} == 0',
-            0,
+            f'{check},layer="env",variable!=""}} == 0\nor {check},layer="build"}} == 0',
+            brief,
             "warning",
-            f"launch/pd verify failed a check. Run: {verify}",
+            f"A knob or the build in a live process differs from the env files. Run: {verify}",
+            "The last launch/pd verify --textfile found {{ $labels.pd_instance }}"
+            "{{ if $labels.variable }}'s {{ $labels.variable }}{{ end }} "
+            "({{ $labels.layer }} check) not as the env files and the installed build say.",
+        )
+    )
+    out.append(
+        _alert(
+            "PDVerifyCheckFailed",
+            f'{check},layer=~"health|listen"}} == 0\nor {check},layer="env",variable=""}} == 0',
+            brief,
+            "warning",
+            f"launch/pd verify could not pass a health, listen or access check. Run: {verify}",
             "The last launch/pd verify --textfile failed its {{ $labels.layer }} check of "
-            "{{ $labels.pd_instance }}{{ if $labels.variable }} for {{ $labels.variable }}"
-            "{{ end }}.",
+            "{{ $labels.pd_instance }}: an instance that does not answer, a port on an address "
+            "the env files do not name, or a process whose environment it could not read.",
+        )
+    )
+    last = f'sm120pd_verify_last_run_timestamp_seconds{{stack="{p}"}}'
+    out.append(
+        _alert(
+            "PDVerifyStale",
+            f"time() - max by (stack) ({last}) > {w.verify_stale:g}\nor absent({last})",
+            3 * w.scrape,
+            "warning",
+            f"No recent launch/pd verify result for this stack. Run: {verify} --textfile "
+            "TEXTFILE_DIR/sm120pd_verify.prom, and check its cron job or timer",
+            f"The newest verify result Prometheus has for {p} is older than "
+            f"{_d(w.verify_stale)}, or there is none: PDKnobDrift cannot fire on results that "
+            "do not arrive.",
         )
     )
     for rule in out:
@@ -370,7 +484,8 @@ def dashboard(stack: Stack) -> dict:
     picked = 'pd_instance=~"$pd_instance"'
     engines = f'job=~"{p}-(prefill|decode)",{picked}'
     prefill = f'job="{job(stack, "prefill")}",{picked}'
-    decode = f'job="{job(stack, "decode")}",{picked}'
+    pd_engines = f'{engines},queue=~"prefill_.*|decode_.*"'
+    busy = f'{engines},queue=~"running|waiting"'
     rate = "[$__rate_interval]"
     rows = [
         (
@@ -426,16 +541,22 @@ def dashboard(stack: Stack) -> dict:
             "Engines",
             [
                 _panel(
-                    "Running and queued requests",
+                    "Running and waiting requests",
                     [
-                        (f"sglang:num_running_reqs{{{engines}}}", "{{pd_instance}} running"),
-                        (f"sglang:num_queue_reqs{{{engines}}}", "{{pd_instance}} queued"),
+                        (
+                            f"sum by (pd_instance, queue) ({_q('pd_queue_requests', busy)})",
+                            "{{pd_instance}} {{queue}}",
+                        )
                     ],
                 ),
                 _panel(
-                    "KV token usage",
-                    [(f"sglang:token_usage{{{engines}}}", "{{pd_instance}}")],
-                    "percentunit",
+                    "KV tokens in use",
+                    [
+                        (
+                            f"sum by (pd_instance) ({_q('pd_used_tokens', engines)})",
+                            "{{pd_instance}}",
+                        )
+                    ],
                 ),
                 _panel(
                     "Scheduler loop seconds per second (1 while it runs, 0 when it stands still)",
@@ -448,18 +569,12 @@ def dashboard(stack: Stack) -> dict:
                     ],
                 ),
                 _panel(
-                    "Tokens per second",
+                    "Tokens per second, per forward step",
                     [
                         (
-                            f"sum by (pd_instance) (rate(sglang:generation_tokens_total"
-                            f"{{{engines}}}{rate}))",
-                            "{{pd_instance}} generated",
-                        ),
-                        (
-                            f"sum by (pd_instance) (rate(sglang:prompt_tokens_total"
-                            f"{{{engines}}}{rate}))",
-                            "{{pd_instance}} prompt",
-                        ),
+                            f"sum by (pd_instance, mode) (rate({_q(STEP_TOKENS, engines)}{rate}))",
+                            "{{pd_instance}} {{mode}}",
+                        )
                     ],
                 ),
             ],
@@ -468,31 +583,31 @@ def dashboard(stack: Stack) -> dict:
             "PD queues",
             [
                 _panel(
-                    "Prefill bootstrap and inflight queues",
+                    "Requests in each PD queue",
                     [
                         (
-                            f"sglang:num_prefill_{q}_queue_reqs{{{prefill}}}",
-                            f"{{{{pd_instance}}}} {q}",
+                            f"sum by (pd_instance, queue) ({_q('pd_queue_requests', pd_engines)})",
+                            "{{pd_instance}} {{queue}}",
                         )
-                        for q in ("bootstrap", "inflight")
                     ],
                 ),
                 _panel(
-                    "Decode prealloc and transfer queues",
+                    "Oldest request in each PD queue",
                     [
                         (
-                            f"sglang:num_decode_{q}_queue_reqs{{{decode}}}",
-                            f"{{{{pd_instance}}}} {q}",
+                            f"max by (pd_instance, queue) "
+                            f"({_q('pd_queue_oldest_seconds', pd_engines)})",
+                            "{{pd_instance}} {{queue}}",
                         )
-                        for q in ("prealloc", "transfer")
                     ],
+                    "s",
                 ),
                 _panel(
                     "KV transfer latency (prefill, p95)",
                     [
                         (
                             "histogram_quantile(0.95, sum by (le, pd_instance) "
-                            f"(rate(sglang:kv_transfer_latency_ms_bucket{{{prefill}}}{rate})))",
+                            f"(rate({_q('kv_transfer_latency_ms_bucket', prefill)}{rate})))",
                             "{{pd_instance}}",
                         )
                     ],
@@ -574,9 +689,20 @@ def dashboard(stack: Stack) -> dict:
     }
 
 
-def config(stack: Stack, scrape_s: float) -> dict:
-    """prometheus.yml: one job per role, its targets in targets/ROLE.json (file_sd)."""
+def config(stack: Stack, scrape_s: float, textfile_target: str | None = None) -> dict:
+    """prometheus.yml: one job per role, its targets in targets/ROLE.json (file_sd); with
+    textfile_target (HOST:PORT of a node_exporter reading PD_TEXTFILE_DIR), a job for it, so
+    the verify results and maintenance marks reach this Prometheus."""
     interval = _d(scrape_s)
+    textfile = [
+        {
+            "job_name": f"{stack.unit_prefix}-textfile",
+            "metrics_path": "/metrics",
+            # The files' own stack and pd_instance labels win over the target's.
+            "honor_labels": True,
+            "static_configs": [{"targets": [textfile_target]}],
+        }
+    ]
     return {
         "global": {
             "scrape_interval": interval,
@@ -591,7 +717,8 @@ def config(stack: Stack, scrape_s: float) -> dict:
                 "file_sd_configs": [{"files": [f"targets/{kind}.json"], "refresh_interval": "30s"}],
             }
             for kind in ROLE_KINDS
-        ],
+        ]
+        + (textfile if textfile_target else []),
     }
 
 
@@ -618,13 +745,20 @@ def _yaml(data: dict, head: str) -> str:
     return head + body
 
 
-def render(out: Path, stack: Stack, w: Windows, scrape_s: float, env_dir: Path) -> list[Path]:
+def render(
+    out: Path,
+    stack: Stack,
+    w: Windows,
+    scrape_s: float,
+    env_dir: Path,
+    textfile_target: str | None = None,
+) -> list[Path]:
     head = (
         f"# Rendered by launch/pd monitoring from {env_dir}; render again (--force) after the\n"
         "# env files change. Every window is in launch/README.md, Monitoring.\n"
     )
     files = {
-        out / "prometheus.yml": _yaml(config(stack, scrape_s), head),
+        out / "prometheus.yml": _yaml(config(stack, scrape_s, textfile_target), head),
         out / "rules.yml": _yaml(rules(stack, w, env_dir), head),
         out / "dashboard.json": json.dumps(dashboard(stack), indent=1) + "\n",
     }
@@ -635,6 +769,22 @@ def render(out: Path, stack: Stack, w: Windows, scrape_s: float, env_dir: Path) 
         path.parent.mkdir(parents=True, exist_ok=True)
         write_whole(path, text, 0o644)
     return list(files)
+
+
+def metrics_problems(stack: Stack) -> list[str]:
+    """Engines that would serve no /metrics: sglang answers it only with --enable-metrics, and
+    without it every engine scrape fails (PDInstanceDown) and every engine rule has no data."""
+    problems = []
+    for role in stack.of_kind("prefill") + stack.of_kind("decode"):
+        variable = f"{role.kind.upper()}_ARGS"
+        args = stack.env.role_env(role.kind, role.index).get(variable, "")
+        if "--enable-metrics" not in shlex.split(args):
+            where = stack.env.origin(role.kind, role.index, variable)
+            problems.append(
+                f"{where}: {role.name} has no --enable-metrics, so it serves no /metrics and "
+                "launch/pd monitoring's alerts cannot see it; add --enable-metrics there"
+            )
+    return problems
 
 
 def metric_names(expr: str) -> set[str]:
