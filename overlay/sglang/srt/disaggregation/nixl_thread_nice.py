@@ -14,6 +14,11 @@ thread started since that is not a Python thread (NIXL's and UCX's native thread
 logs which. Unset or empty: nothing changes. Any other value stops the engine with an error
 naming the variable. Raising a priority (a negative N) is refused: it needs privileges a
 rehearsal should not ask for.
+
+Like SGLANG_CPU_SM120_PATH (patch 0016), it is for a CPU engine only (SGLANG_USE_CPU_ENGINE=1,
+upstream's `is_cpu`): set on any other engine, where NIXL's busy progress thread is what the
+transfers want, it stops the engine with an error naming the variable, rather than renicing
+every native thread started while the agent was created.
 """
 
 from __future__ import annotations
@@ -37,7 +42,19 @@ def target_nice() -> int | None:
         nice = -1
     if not 0 <= nice <= 19:
         raise ValueError(f"{ENV}={value!r}: expected an integer from 0 to 19, or unset")
+    if not _cpu_engine():
+        raise ValueError(
+            f"{ENV}={value!r} is for a CPU engine (SGLANG_USE_CPU_ENGINE=1, --device cpu); on a "
+            "GPU host NIXL's busy progress thread is what the transfers want: unset it"
+        )
     return nice
+
+
+def _cpu_engine() -> bool:
+    """The test patch 0016 applies: upstream's is_cpu (SGLANG_USE_CPU_ENGINE=1 on a CPU host)."""
+    from sglang.srt.utils import is_cpu
+
+    return is_cpu()
 
 
 def _native_threads() -> set[int]:
