@@ -306,10 +306,47 @@ def _model_dir(value: str) -> Path:
     return path if path.is_absolute() else Path(__file__).resolve().parents[2] / path
 
 
+# Settings for a CPU engine only (SGLANG_USE_CPU_ENGINE=1, upstream's is_cpu), each with the
+# values that leave it off: on any other engine the engine stops at start with an error naming
+# it (patch 0016 for the SM120 path, patch 0020 for the NIXL threads' nice value).
+CPU_ENGINE_SETTINGS = {
+    "SGLANG_CPU_SM120_PATH": ("", "0"),
+    "SGLANG_DISAGGREGATION_NIXL_THREAD_NICE": ("",),
+}
+
+
+def cpu_engine_problems(env: EnvDir) -> list[str]:
+    """A CPU-only setting on an engine that is not a CPU engine, one line per line that sets it."""
+    problems: list[str] = []
+    said = set()
+    for role in ("prefill", "decode"):
+        for index in env.instances(role) or [None]:
+            values = env.role_env(role, index)
+            if values.get("SGLANG_USE_CPU_ENGINE", "").strip() == "1":
+                continue
+            name = role if index is None else f"{role}/{index}"
+            for key, off in CPU_ENGINE_SETTINGS.items():
+                value = values.get(key)
+                where = env.origin(role, index, key)
+                if value is None or value.strip() in off or where in said:
+                    continue
+                said.add(where)
+                problems.append(
+                    f"{where}={value} is for a CPU engine only, and the {name} engine is not "
+                    "one (no SGLANG_USE_CPU_ENGINE=1 for it): it would stop at start; unset "
+                    f"{key} there"
+                )
+    return problems
+
+
 def model_problems(env: EnvDir, notes: list[str] | None = None) -> list[str]:
-    """Every engine serves the same model (PD moves one model's KV between them), and the
-    DSV4-only settings sit next to a DSV4 model. `env check` runs this, and so does `up`
-    before it starts anything."""
+    """Every engine serves the same model (PD moves one model's KV between them), the
+    DSV4-only settings sit next to a DSV4 model, and the CPU-only settings on CPU engines.
+    `env check` runs this, and so does `up` before it starts anything."""
+    return _model_problems(env, notes) + cpu_engine_problems(env)
+
+
+def _model_problems(env: EnvDir, notes: list[str] | None = None) -> list[str]:
     problems: list[str] = []
     notes = [] if notes is None else notes
     engines = [(r, i) for r in ("prefill", "decode") for i in env.instances(r) or [None]]

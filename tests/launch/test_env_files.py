@@ -255,6 +255,7 @@ def test_env_check_and_up_refuse_prefill_and_decode_on_different_models(env_dir)
 
 
 def test_env_check_and_up_refuse_the_dsv4_path_on_a_model_that_is_not_dsv4(env_dir, tmp_path):
+    set_values(env_dir / "common.env", SGLANG_USE_CPU_ENGINE="1")  # the path is for CPU engines
     llama = _model(tmp_path, "llama")
     set_values(env_dir / "common.env", MODEL_PATH=str(llama))
     set_values(env_dir / "decode.env", SGLANG_CPU_SM120_PATH="1")
@@ -268,3 +269,48 @@ def test_env_check_and_up_refuse_the_dsv4_path_on_a_model_that_is_not_dsv4(env_d
     # The same setting next to a DSV4 model passes this check.
     set_values(env_dir / "common.env", MODEL_PATH=str(_model(tmp_path, "deepseek_v4")))
     assert "SGLANG_CPU_SM120_PATH" not in env_check(env_dir).stdout
+
+
+CPU_ONLY = "SGLANG_DISAGGREGATION_NIXL_THREAD_NICE"
+
+
+def test_env_check_and_up_refuse_cpu_only_settings_on_engines_that_are_not_cpu_engines(env_dir):
+    # The shipped GPU env files: no SGLANG_USE_CPU_ENGINE. Patch 0020's knob on decode is refused
+    # naming the file, its line and the variable (the engine would stop at start).
+    set_values(env_dir / "decode.env", **{CPU_ONLY: "19"})
+    line_no = next(
+        n
+        for n, text in enumerate((env_dir / "decode.env").read_text().splitlines(), 1)
+        if text.startswith(f"{CPU_ONLY}=")
+    )
+    done = env_check(env_dir)
+    assert done.returncode == 1, done.stdout
+    fails = [ln for ln in done.stdout.splitlines() if ln.startswith("FAIL") and CPU_ONLY in ln]
+    assert len(fails) == 1, done.stdout
+    assert f"{env_dir / 'decode.env'}:{line_no}: {CPU_ONLY}=19" in fails[0]
+    assert "decode engine is not" in fails[0] and "SGLANG_USE_CPU_ENGINE=1" in fails[0]
+    up = run_pd("up", "--env-dir", str(env_dir), "--sim")
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert CPU_ONLY in up.stderr and "up: nothing started" in up.stderr
+    assert processes_using(env_dir) == []
+    # Patch 0016's SM120 path on CPU likewise (0 leaves it off, so 0 passes).
+    set_values(env_dir / "decode.env", **{CPU_ONLY: ""})
+    set_values(env_dir / "prefill.env", SGLANG_CPU_SM120_PATH="0")
+    assert "SGLANG_CPU_SM120_PATH" not in env_check(env_dir).stdout
+    set_values(env_dir / "prefill.env", SGLANG_CPU_SM120_PATH="1")
+    done = env_check(env_dir)
+    fail = next(ln for ln in done.stdout.splitlines() if "SGLANG_CPU_SM120_PATH" in ln)
+    assert "prefill.env" in fail and "prefill engine is not" in fail
+
+
+def test_cpu_only_settings_pass_where_every_engine_reading_them_is_a_cpu_engine(env_dir):
+    # In common.env, read by both engines: refused while decode is not a CPU engine ...
+    set_values(env_dir / "common.env", **{CPU_ONLY: "19"})
+    set_values(env_dir / "prefill.env", SGLANG_USE_CPU_ENGINE="1")
+    done = env_check(env_dir)
+    fails = [ln for ln in done.stdout.splitlines() if ln.startswith("FAIL") and CPU_ONLY in ln]
+    assert len(fails) == 1 and "common.env" in fails[0], done.stdout
+    assert "decode engine is not" in fails[0]
+    # ... and passes once both are (as env/cpu sets them).
+    set_values(env_dir / "common.env", SGLANG_USE_CPU_ENGINE="1")
+    assert CPU_ONLY not in env_check(env_dir).stdout
