@@ -429,6 +429,7 @@ def cmd_monitoring(args) -> int:
         "stalled_after",
         "flap_window",
         "verify_stale_after",
+        "queue_after",
     ):
         value = getattr(args, option)
         if value is not None and value <= 0:
@@ -455,6 +456,7 @@ def cmd_monitoring(args) -> int:
         args.flap_window,
         args.verify_stale_after,
         args.scrape_interval,
+        args.queue_after,
     )
     for path in monitoring.render(
         out_dir,
@@ -692,6 +694,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{monitoring.DOWN_AFTER_S:g} with PD_TEXTFILE_DIR set, and that + "
         f"{rotation.ROUTER_TIMEOUT_S:g} for PDInstanceNotRouted; without it the role's "
         "ROLE_HEALTH_TIMEOUT_S, and a rolling restart's longest run for PDInstanceNotRouted)",
+    )
+    p.add_argument(
+        "--queue-after",
+        type=float,
+        help="seconds the oldest room of a PD queue may wait before its alert fires (default: "
+        "the timeout that bounds that queue in the env files + --slack)",
     )
     p.add_argument(
         "--flap-window",

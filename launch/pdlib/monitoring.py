@@ -89,6 +89,7 @@ class Windows:
     flap: float = FLAP_S
     verify_stale: float = VERIFY_STALE_S
     scrape: float = 15.0
+    queue_given: bool = False
 
 
 def _max_value(stack: Stack, kind: str, key: str) -> float | None:
@@ -111,6 +112,7 @@ def windows(
     flap: float = FLAP_S,
     verify_stale: float = VERIFY_STALE_S,
     scrape: float = 15.0,
+    queue_after: float | None = None,
 ) -> Windows:
     """The alert windows from the env files (launch/pd env check has vetted the values). An
     instance may be down DOWN_AFTER_S when launch/pd marks its own work (PD_TEXTFILE_DIR), else
@@ -138,9 +140,9 @@ def windows(
         slack=slack,
         down=down_s,
         unrouted=unrouted,
-        inflight=(inflight if inflight else UNBOUNDED_INFLIGHT_S) + slack,
-        transfer=(waiting or UPSTREAM_WAITING_S) + slack,
-        prealloc=(bootstrap or UPSTREAM_BOOTSTRAP_S) + slack,
+        inflight=queue_after or (inflight if inflight else UNBOUNDED_INFLIGHT_S) + slack,
+        transfer=queue_after or (waiting or UPSTREAM_WAITING_S) + slack,
+        prealloc=queue_after or (bootstrap or UPSTREAM_BOOTSTRAP_S) + slack,
         inflight_bounded=bool(inflight),
         marked=marked,
         down_given=down is not None,
@@ -148,6 +150,7 @@ def windows(
         flap=flap,
         verify_stale=verify_stale,
         scrape=scrape,
+        queue_given=queue_after is not None,
     )
 
 
@@ -268,8 +271,10 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             "{{ $labels.pd_instance }}'s oldest room in the inflight queue (its KV sent or "
             "being sent, waiting for decode to conclude) has waited {{ $value }} s"
             + (
-                f": longer than SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT + {_d(w.slack)}, which "
-                "should have failed it and released its KV."
+                f": longer than monitoring's --queue-after ({_d(w.inflight)})."
+                if w.queue_given
+                else f": longer than SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT + {_d(w.slack)}, "
+                "which should have failed it and released its KV."
                 if w.inflight_bounded
                 else "; SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT is not set in the env files, "
                 "so nothing bounds such a room."
@@ -283,8 +288,13 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             f"A decode room waits for its KV past the waiting timeout. Run: {verify}; then "
             f"{triage}",
             "{{ $labels.pd_instance }}'s oldest room in the transfer queue has waited "
-            "{{ $value }} s for its KV: longer than SGLANG_DISAGGREGATION_WAITING_TIMEOUT + "
-            f"{_d(w.slack)}, which should have failed it.",
+            "{{ $value }} s for its KV: longer than "
+            + (
+                f"monitoring's --queue-after ({_d(w.transfer)})."
+                if w.queue_given
+                else f"SGLANG_DISAGGREGATION_WAITING_TIMEOUT + {_d(w.slack)}, which should have "
+                "failed it."
+            ),
         ),
         _alert(
             "PDDecodePreallocQueueStuck",
@@ -297,8 +307,12 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             f"{triage}",
             "{{ $labels.pd_instance }}'s oldest room in the prealloc queue has waited "
             "{{ $value }} s to bootstrap or for KV space, longer than "
-            f"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT + {_d(w.slack)}, and decode ran no "
-            f"decode step in that time ({STEP_TOKENS}).",
+            + (
+                f"monitoring's --queue-after ({_d(w.prealloc)})"
+                if w.queue_given
+                else f"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT + {_d(w.slack)}"
+            )
+            + f", and decode ran no decode step in that time ({STEP_TOKENS}).",
         ),
         _alert(
             "PDTokensHeldAfterTraffic",
