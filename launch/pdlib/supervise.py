@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 import psutil
 
 from launch.pdlib import loadfiles
+from launch.pdlib.files import write_whole
 from launch.pdlib.stack import ROOT, Role, Stack
 
 
@@ -41,6 +43,54 @@ def describe_pid(pid: int) -> str:
         return f"pid {pid} ({' '.join(proc.cmdline())[:120]})"
     except psutil.Error:
         return f"pid {pid}"
+
+
+def private_run_dir(path: Path) -> None:
+    """Make the run dir (0700), or take the one there if it is this user's: pid files, logs and
+    secrets go there, and what pd reads back from it decides which processes it signals. A
+    directory another user owns is refused (they could plant or swap files in it), and a link
+    is never chmodded through, only followed to a directory of ours that nobody else can write."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR) or not path.is_symlink():
+            raise
+        st = path.stat()
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise SuperviseError(
+                f"run dir {path} is a link to a directory of uid {st.st_uid}, mode "
+                f"{st.st_mode & 0o7777:04o}: it must be this user's ({os.geteuid()}) and "
+                "writable by nobody else; choose another PD_RUN_DIR"
+            ) from None
+        return
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise SuperviseError(
+                f"run dir {path} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}): "
+                "it could plant files there that launch/pd reads and signals; choose another "
+                "PD_RUN_DIR"
+            )
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def recorded_process(path: Path) -> psutil.Process | None:
+    """The live process a pid file names, when it is still the one that was recorded (a pid
+    number can be reused; the start time tells our process from a newcomer)."""
+    try:
+        record = json.loads(path.read_text())
+        proc = psutil.Process(int(record["pid"]))
+        if abs(proc.create_time() - float(record["create_time"])) > 1.0:
+            return None
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except (ValueError, KeyError, TypeError, OSError, psutil.Error):
+        return None
 
 
 def tail(path: Path, lines: int) -> list[str]:
@@ -76,17 +126,7 @@ class LocalSupervisor:
         path = self.pid_file(role)
         if not path.is_file():
             return None
-        try:
-            record = json.loads(path.read_text())
-            proc = psutil.Process(int(record["pid"]))
-            # A pid number can be reused; the start time tells our process from a newcomer.
-            if abs(proc.create_time() - float(record["create_time"])) > 1.0:
-                return None
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return None
-            return proc
-        except (ValueError, KeyError, OSError, psutil.Error):
-            return None
+        return recorded_process(path)
 
     def state(self, role: str) -> State:
         proc = self._recorded(role)
@@ -108,14 +148,17 @@ class LocalSupervisor:
             )
         # Private: patch 0009 redacts the key in sglang's start-up server_args line, but a
         # failing process may print more than that.
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_dir.chmod(0o700)
+        private_run_dir(self.run_dir)
         cmd = [str(role.script), "--env-dir", str(self.env_dir)]
         if role.index is not None:
             cmd += ["--instance", str(role.index)]
         if self.stack.sim:
             cmd.append("--sim")
-        fd = os.open(self.log_file(role.key), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(
+            self.log_file(role.key),
+            os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+        )
         os.fchmod(fd, 0o600)
         log = os.fdopen(fd, "ab")
         log.write(
@@ -137,7 +180,7 @@ class LocalSupervisor:
             "create_time": psutil.Process(proc.pid).create_time(),
             "sim": self.stack.sim,
         }
-        self.pid_file(role.key).write_text(json.dumps(record) + "\n")
+        write_whole(self.pid_file(role.key), json.dumps(record) + "\n", 0o600)
         return State(True, proc.pid, f"started, pid {proc.pid}")
 
     def processes(self, role: str) -> list[psutil.Process]:
@@ -232,14 +275,14 @@ def processes_naming(marker: Path) -> list[psutil.Process]:
 
 
 def sweep(run_dir: Path, marker: Path) -> int:
-    """Kill what a `down` left behind: the pids recorded in run_dir and every process whose
-    command line names `marker`, with their children. Returns how many were found."""
+    """Kill what a `down` left behind: the processes recorded in run_dir (still the ones that
+    were started: a reused pid is left alone) and every process whose command line names
+    `marker`, with their children. Returns how many were found."""
     targets = []
     for path in Path(run_dir).glob("*.pid") if Path(run_dir).is_dir() else []:
-        try:
-            targets.append(psutil.Process(int(json.loads(path.read_text())["pid"])))
-        except (psutil.Error, ValueError, KeyError, OSError):
-            pass
+        proc = recorded_process(path)
+        if proc is not None:
+            targets.append(proc)
     targets += processes_naming(marker)
     for proc in targets:
         try:
