@@ -129,15 +129,25 @@ secret_file() {
   printf '%s/secrets/%s\n' "$(root_path "${PD_RUN_DIR:-run}")" "$1"
 }
 
-# write_secret FILE CONTENT: mode 0600, written whole (temp file, then rename); not in --dry-run.
+# write_secret FILE CONTENT: mode 0600, written whole (a new mktemp file, then renamed over FILE,
+# never through a link); only into a directory of this user's (0700); not in --dry-run.
 write_secret() {
   ((DRY_RUN)) && return 0
-  local dir tmp
+  local dir
   dir="$(dirname "$1")"
-  tmp="$1.tmp.$$"
   (
     umask 077
-    mkdir -p "$dir" && chmod 700 "$dir" && printf '%s\n' "$2" >"$tmp" && mv -f "$tmp" "$1"
+    mkdir -p "$dir" || exit 1
+    if [[ -L "$dir" || ! -O "$dir" ]]; then
+      echo "launch: $dir is not a directory of this user's own; the secret is not written there" >&2
+      exit 1
+    fi
+    chmod 700 "$dir" || exit 1
+    tmp="$(mktemp "$dir/.${1##*/}.XXXXXX")" || exit 1
+    if ! { printf '%s\n' "$2" >"$tmp" && mv -fT "$tmp" "$1"; }; then
+      rm -f "$tmp"
+      exit 1
+    fi
   ) || { echo "launch: cannot write the secret file $1" >&2; exit 2; }
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -154,3 +155,49 @@ def test_unknown_argument_is_refused(env_dir):
     done = dry_run("decode", env_dir, "--bogus")
     assert done.returncode == 2
     assert "unknown argument: --bogus" in done.stderr
+
+
+WRITE_SECRET = r"""
+source "$1/launch/lib.sh"
+DRY_RUN=0
+write_secret "$2" "$3"
+"""
+
+
+def write_secret(path, text):
+    return subprocess.run(
+        ["bash", "-c", WRITE_SECRET, "bash", str(ROOT), str(path), text],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_the_secret_file_replaces_a_planted_link_and_goes_only_into_a_directory_of_ours(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    secrets = tmp_path / "run" / "secrets"
+    secrets.mkdir(parents=True)
+    secrets.chmod(0o777)
+    target = secrets / "router.key"
+    target.symlink_to(victim)
+    done = write_secret(target, SECRET)
+    assert done.returncode == 0, done.stderr
+    assert victim.read_text() == "precious\n"
+    assert not target.is_symlink() and target.read_text() == SECRET + "\n"
+    assert target.stat().st_mode & 0o777 == 0o600 and secrets.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in secrets.iterdir()] == ["router.key"]
+    # A secrets directory that is a link, or (as root) another user's, is refused.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "run2").mkdir()
+    (tmp_path / "run2" / "secrets").symlink_to(elsewhere)
+    done = write_secret(tmp_path / "run2" / "secrets" / "prefill.yaml", SECRET)
+    assert done.returncode == 2 and "not a directory of this user's own" in done.stderr
+    assert list(elsewhere.iterdir()) == []
+    if os.geteuid() == 0:
+        theirs = tmp_path / "run3" / "secrets"
+        theirs.mkdir(parents=True)
+        os.chown(theirs, 65534, 65534)
+        done = write_secret(theirs / "decode.yaml", SECRET)
+        assert done.returncode == 2 and list(theirs.iterdir()) == []
