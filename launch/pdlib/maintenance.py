@@ -12,7 +12,8 @@ pd_instance}` into PD_TEXTFILE_DIR/sm120pd_maintenance_<PD_UNIT_PREFIX>.prom:
 - stopped (`down`): +Inf, until the next `up` of that instance;
 - healthy again (and back in rotation): 0.
 
-The rules silence an instance while the mark is in the future. The state lives in PD_RUN_DIR
+The rules silence an instance while the mark is in the future. A `--sim` stack writes no mark:
+it may share PD_UNIT_PREFIX with the real stack on the host. The state lives in PD_RUN_DIR
 (the user's own directory) and the textfile is rendered whole from it under a lock, so two
 launch/pd runs on one host keep each other's marks.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import json
 import math
+import os
 import re
 import time
 from contextlib import contextmanager
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from launch.pdlib.files import write_whole
 from launch.pdlib.stack import Role, Stack, from_root
+from launch.pdlib.supervise import private_run_dir
 
 METRIC = "sm120pd_maintenance_until_timestamp_seconds"
 VARIABLE = "PD_TEXTFILE_DIR"
@@ -68,17 +71,23 @@ def render(stack: Stack, marks: dict[str, float]) -> str:
 
 @contextmanager
 def _locked(stack: Stack):
-    stack.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with open(stack.run_dir / "maintenance.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    """The marks' lock, in the run dir (this user's own, as supervise makes it; never a link)."""
+    private_run_dir(stack.run_dir)
+    fd = os.open(
+        stack.run_dir / "maintenance.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600
+    )
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(fd)
 
 
 def _set(stack: Stack, role: Role, until: float) -> str | None:
     """Record the mark and render the textfile; None, or why the textfile was not written
     (the verb goes on: a mark is a courtesy to the on-call, not a step of the work)."""
     path = textfile(stack)
-    if path is None:
+    if path is None or stack.sim:  # a simulated stack never speaks for the real one
         return None
     state = stack.run_dir / "maintenance.json"
     with _locked(stack):

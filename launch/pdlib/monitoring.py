@@ -436,9 +436,10 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             brief,
             "warning",
             f"A knob or the build in a live process differs from the env files. Run: {verify}",
-            "The last launch/pd verify --textfile found {{ $labels.pd_instance }}"
-            "{{ if $labels.variable }}'s {{ $labels.variable }}{{ end }} "
-            "({{ $labels.layer }} check) not as the env files and the installed build say.",
+            "The last launch/pd verify --textfile failed its {{ $labels.layer }} check"
+            "{{ if $labels.pd_instance }} of {{ $labels.pd_instance }}{{ end }}"
+            "{{ if $labels.variable }} for {{ $labels.variable }}{{ end }}: the live process "
+            "or the installed build is not what the env files and this checkout say.",
         )
     )
     out.append(

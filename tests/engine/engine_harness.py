@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import warnings
 from pathlib import Path
@@ -600,7 +601,9 @@ def generate(stack: Stack, body: dict) -> tuple[list[int], list[float]]:
     return done["output_ids"], [x[0] for x in done["meta_info"]["output_token_logprobs"]]
 
 
-def prefill_frozen_mid_transfer(stack: Stack, long_body: dict, second: dict) -> None:
+def prefill_frozen_mid_transfer(
+    stack: Stack, long_body: dict, second: dict, while_held=None, while_quarantined=None
+) -> None:
     """Late writes into reused pages. Prefill's scheduler alone is stopped just after it starts
     sending the long room (decode has the room in its transfer queue, prefill logged its first
     chunk). Decode fails the room on its waiting timeout. Upstream then released its pages
@@ -634,6 +637,8 @@ def prefill_frozen_mid_transfer(stack: Stack, long_body: dict, second: dict) -> 
         wait_quarantined(stack, room, quarantines_before)
         quarantined = loads.held(stack.loads("decode"))
         assert quarantined.get("num_used_tokens", 0) >= len(long_body["input_ids"]), quarantined
+        if while_quarantined is not None:  # no request anywhere, the room's pages still held
+            while_quarantined()
         waiting = Call(stack, {**second, "return_logprob": True})
         waiting.start()
         # The second request cannot get pages: it waits in decode's prealloc queue, and stays
@@ -645,6 +650,8 @@ def prefill_frozen_mid_transfer(stack: Stack, long_body: dict, second: dict) -> 
             lambda: loads.held(stack.loads("decode")),
         )
         time.sleep(2)
+        if while_held is not None:  # the second request still waits, prefill still stopped
+            while_held()
         still = loads.held(stack.loads("decode"))
         assert still.get("decode_prealloc_queue_reqs") == 1, still
         assert still.get("num_used_tokens") == quarantined["num_used_tokens"], still
@@ -735,15 +742,95 @@ def kill_decode_mid_stream(stack: Stack, body: dict, kill_after: int, stream_s: 
 # ---- a real Prometheus on the stack ----------------------------------------------------------
 
 
+class NodeExporter:
+    """Debian's prometheus-node-exporter with its textfile collector alone, on a free loopback
+    port, reading `textfile_dir`: where launch/pd writes its maintenance marks
+    (PD_TEXTFILE_DIR) and where the tests write verify --textfile results."""
+
+    def __init__(self, textfile_dir: Path, log: Path):
+        binary = monitoring.tool("prometheus-node-exporter")
+        assert binary, "no node exporter: ./build.sh test unpacks Debian's into build/prometheus"
+        (port,) = free_loopback_ports(1)
+        self.target = f"127.0.0.1:{port}"
+        self.log = log
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [
+                    binary,
+                    "--collector.disable-defaults",
+                    "--collector.textfile",
+                    f"--collector.textfile.directory={textfile_dir}",
+                    f"--web.listen-address={self.target}",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        wait_for(self.ready, 30, "node exporter ready", lambda: log.read_text()[-2000:])
+
+    def ready(self) -> bool:
+        assert self.proc.poll() is None, self.log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"http://{self.target}/metrics", timeout=5) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class AlertWatch(threading.Thread):
+    """Polls Prometheus every 0.5 s until the alert fires (kept in .fired) or time runs out."""
+
+    def __init__(self, prom: Prometheus, name: str, timeout_s: float, labels: dict):
+        super().__init__(daemon=True)
+        self.prom, self.name, self.timeout_s, self.labels = prom, name, timeout_s, labels
+        self.fired: dict | None = None
+        self.seen: list = []
+        self._halt = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline and not self._halt.is_set():
+            try:
+                alerts = self.prom.alerts(self.name, **self.labels)
+            except OSError as exc:
+                self.seen.append(str(exc))
+                alerts = []
+            self.seen.extend(a["state"] for a in alerts)
+            firing = [a for a in alerts if a["state"] == "firing"]
+            if firing:
+                self.fired = firing[0]
+                return
+            self._halt.wait(0.5)
+
+    def result(self) -> dict:
+        """The firing alert; fails with what was seen when it did not fire."""
+        self._halt.set()
+        self.join(30)
+        assert self.fired, f"{self.name} {self.labels} did not fire; seen: {self.seen[-10:]}"
+        return self.fired
+
+
 class Prometheus:
     """Debian's Prometheus (./build.sh test unpacks it into build/prometheus) on a free loopback
     port, with the config, rules and file_sd targets `launch/pd monitoring` renders for the
     stack; its data in a directory of its own."""
 
-    def __init__(self, stack: Stack, tmp: Path, *monitoring_args: str):
+    def __init__(self, stack: Stack, tmp: Path, *monitoring_args: str, env_dir: Path | None = None):
+        """Rules rendered from env_dir (default: the stack's own env files)."""
         self.dir = tmp / "monitoring"
         done = pd(
-            stack.env_dir, "monitoring", "--out", str(self.dir), *monitoring_args, timeout=120
+            env_dir or stack.env_dir,
+            "monitoring",
+            *("--out", str(self.dir), *monitoring_args),
+            timeout=120,
         )
         assert done.returncode == 0, done.stdout + done.stderr
         binary = monitoring.tool("prometheus")
@@ -800,6 +887,17 @@ class Prometheus:
             lambda: [(a["labels"]["alertname"], a["state"]) for a in self.api("alerts")["alerts"]],
         )
         return self.firing(name, **labels)[0]
+
+    def query(self, expr: str) -> list[dict]:
+        """An instant query's result vector."""
+        with urllib.request.urlopen(
+            self.url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr}), timeout=10
+        ) as resp:
+            return json.loads(resp.read())["data"]["result"]
+
+    def watch(self, name: str, timeout_s: float, **labels: str) -> AlertWatch:
+        """Look for the alert firing in the background (while a fault test holds its fault)."""
+        return AlertWatch(self, name, timeout_s, labels)
 
     def wait_resolved(self, name: str, timeout_s: float, **labels: str) -> None:
         wait_for(

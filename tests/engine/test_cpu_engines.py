@@ -24,12 +24,14 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 from engine_harness import (
     ROOT,
+    NodeExporter,
     Prometheus,
     decode_frozen_after_bootstrap,
     kill_decode_mid_stream,
@@ -50,13 +52,15 @@ from engine_harness import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from launch.pdlib import envfiles, loads, monitoring, wedged
-from launch.pdlib.stack import free_loopback_ports
+from launch.pdlib import envfiles, loads, maintenance, monitoring, wedged
+from launch.pdlib.stack import free_loopback_ports, load_stack
 from launch.pdlib.stack import http as http_get
 
 # Seconds decode waits for a room's KV, and prefill for its KV sender, in the test copy.
 WAITING_TIMEOUT_S = 10
 INFLIGHT_TIMEOUT_S = 10
+# Seconds a room may wait in a PD queue before its alert fires (monitoring --queue-after).
+QUEUE_AFTER_S = 4
 # sglang's CPU engine flags, as env/cpu gives them, for the standalone engine.
 CPU_FLAGS = [
     "--device",
@@ -104,32 +108,48 @@ def cpu_stack(tmp_path_factory):
     )
     assert model.returncode == 0, model.stderr[-3000:]
     LOADS_FILES_BEFORE_UP.update(loads_files_in_shm())
+    tmp = tmp_path_factory.mktemp("cpu-stack")
+    # node_exporter's textfile directory: launch/pd's maintenance marks, verify's results.
+    (tmp / "textfile").mkdir()
     stack = start_fault_stack(
         "cpu",
-        tmp_path_factory.mktemp("cpu-stack"),
+        tmp,
         GREEDY,
         WAITING_TIMEOUT_S,
         INFLIGHT_TIMEOUT_S,
+        common={maintenance.VARIABLE: str(tmp / "textfile")},
         args=STACK_ARGS,
     )
     yield stack
     stop_stack(stack)
 
 
+def textfiles(stack) -> Path:
+    return Path(envfiles.EnvDir(stack.env_dir).common()[maintenance.VARIABLE])
+
+
 @pytest.fixture(scope="module")
 def prometheus(cpu_stack, tmp_path_factory):
-    """A real Prometheus on the stack, with what `launch/pd monitoring` renders for it: every
-    target scraped and every rule evaluated each second, an instance down after 3 s, requests
-    stuck before idle engines after 5 s, a scheduler stalled after 8 s (the defaults are
+    """A real Prometheus on the stack, with what `launch/pd monitoring` renders for it, and a
+    real node exporter reading the stack's PD_TEXTFILE_DIR: every target scraped and every rule
+    evaluated each second, an instance down after 3 s, requests stuck before idle engines
+    after 5 s, a scheduler stalled after 8 s, a room in a PD queue for QUEUE_AFTER_S (below
+    the engines' own 10 s timeouts, so that while a fault holds a room only the alert can
+    report it), a crash loop within 40 s, a verify result older than 15 s (the defaults are
     minutes)."""
+    tmp = tmp_path_factory.mktemp("prometheus")
+    exporter = NodeExporter(textfiles(cpu_stack), tmp / "node-exporter.log")
     prom = Prometheus(
         cpu_stack,
-        tmp_path_factory.mktemp("prometheus"),
+        tmp,
         *("--scrape-interval", "1", "--down-after", "3", "--stuck-after", "5"),
-        *("--stalled-after", "8"),
+        *("--stalled-after", "8", "--queue-after", f"{QUEUE_AFTER_S:g}", "--held-after", "3"),
+        *("--flap-window", "40", "--verify-stale-after", "15"),
+        *("--textfile-target", exporter.target),
     )
     yield prom
     prom.stop()
+    exporter.stop()
 
 
 def port_open(port: int) -> bool:
@@ -366,14 +386,21 @@ def test_client_chosen_bootstrap_rooms_stay_the_routers(cpu_stack):
 
 def test_monitoring_reads_only_names_the_live_stack_exports(cpu_stack, prometheus, tmp_path):
     """Every metric name in the rendered rules and dashboard is in a live scrape of the real
-    engines and smg (after one request), or in what `launch/pd verify --textfile` writes; and
-    the real Prometheus scrapes every target and evaluates every rule without an error."""
+    engines and smg (after one request), or in what `launch/pd verify --textfile` and launch/pd's
+    maintenance marks write; the real Prometheus scrapes every target and evaluates every rule
+    without an error. With no verify result yet PDVerifyStale fires, and a verify run resolves
+    it; the targets' `worker` labels equal the router's own; a job left without targets fires
+    PDTargetsAbsent."""
+    # No verify result has reached Prometheus yet: absent is stale.
+    prometheus.wait_firing("PDVerifyStale", 30)
     serves_a_fresh_request(cpu_stack)
-    textfile = tmp_path / "sm120pd_verify.prom"
+    textfile = textfiles(cpu_stack) / "sm120pd_verify.prom"
     done = pd(cpu_stack.env_dir, "verify", "--textfile", str(textfile), timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+    prometheus.wait_resolved("PDVerifyStale", 30)
+    marks = maintenance.textfile(load_stack(cpu_stack.env_dir, sim=False))
     prom_port = envfiles.EnvDir(cpu_stack.env_dir).common()["ROUTER_PROMETHEUS_PORT"]
-    texts = [textfile.read_text()]
+    texts = [textfile.read_text(), marks.read_text()]
     for url in (cpu_stack.url["prefill"], cpu_stack.url["decode"], f"http://127.0.0.1:{prom_port}"):
         with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
             texts.append(resp.read().decode())
@@ -404,25 +431,137 @@ def test_monitoring_reads_only_names_the_live_stack_exports(cpu_stack, prometheu
             (t["labels"]["job"], t["lastError"]) for t in prometheus.api("targets")["activeTargets"]
         ],
     )
-    assert len(prometheus.api("targets")["activeTargets"]) == 3
+    assert len(prometheus.api("targets")["activeTargets"]) == 4
     evaluated = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
     assert len(evaluated) == len(rules)
     assert {(r["health"], r.get("lastError", "")) for r in evaluated} == {("ok", "")}
+    # PDInstanceNotRouted's join: each engine target's `worker` is a worker smg lists healthy.
+    joined = prometheus.query(
+        'up{job=~"sm120pd-cpu-(prefill|decode)"} == 1 '
+        'and on(worker) (smg_worker_health{job="sm120pd-cpu-router"} == 1)'
+    )
+    assert sorted(r["metric"]["pd_instance"] for r in joined) == ["decode", "prefill"], joined
+    # Every instance marked in service by `up`, as the rules read the marks.
+    in_service = prometheus.query(f'{maintenance.METRIC}{{stack="sm120pd-cpu"}} == 0')
+    assert sorted(r["metric"]["pd_instance"] for r in in_service) == [
+        "decode",
+        "prefill",
+        "router",
+    ]
+    # The router's job without a target: absent, then back.
+    router_targets = prometheus.dir / "targets" / "router.json"
+    kept = router_targets.read_text()
+    router_targets.write_text("[]\n")
+    try:
+        absent = prometheus.wait_firing("PDTargetsAbsent", 30, pd_role="router")
+    finally:
+        router_targets.write_text(kept)
+    print("alert:", json.dumps(absent, indent=1))
+    assert "Job sm120pd-cpu-router has no target" in absent["annotations"]["description"]
+    prometheus.wait_resolved("PDTargetsAbsent", 60, pd_role="router")
 
 
-def test_prefill_stopped_mid_transfer_no_late_write_lands_in_reused_pages(cpu_stack):
+def firing_value(alert: dict) -> float:
+    return float(alert["value"])
+
+
+def verify_into_textfiles(stack) -> subprocess.CompletedProcess:
+    path = textfiles(stack) / "sm120pd_verify.prom"
+    return pd(stack.env_dir, "verify", "--textfile", str(path), timeout=120)
+
+
+def test_knob_drift_fires_from_a_verify_result_and_a_stale_result_fires_later(
+    cpu_stack, prometheus
+):
+    """The env files say one SGLANG_SM120_MMA_TARGET_CTAS, decode's process holds another: the
+    verify result that node_exporter serves fires PDKnobDrift for that instance and variable,
+    and not PDVerifyCheckFailed. Verified again as it runs, it resolves; with no newer result,
+    PDVerifyStale fires once that one is older than --verify-stale-after."""
+    decode_env = cpu_stack.env_dir / "decode.env"
+    before = decode_env.read_text()
+    try:
+        envfiles.set_values(decode_env, {"SGLANG_SM120_MMA_TARGET_CTAS": "256"})
+        drifted = verify_into_textfiles(cpu_stack)
+        drift = prometheus.wait_firing("PDKnobDrift", 30, pd_instance="decode")
+        failed = prometheus.alerts("PDVerifyCheckFailed")
+    finally:
+        decode_env.write_text(before)
+    print("alert:", json.dumps(drift, indent=1))
+    assert drifted.returncode == 1, drifted.stdout + drifted.stderr
+    assert drift["labels"]["variable"] == "SGLANG_SM120_MMA_TARGET_CTAS"
+    assert drift["labels"]["layer"] == "env"
+    assert not failed, failed
+    fixed = verify_into_textfiles(cpu_stack)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    verified_at = time.time()
+    prometheus.wait_resolved("PDKnobDrift", 30)
+    stale = prometheus.wait_firing("PDVerifyStale", 60)
+    print("alert:", json.dumps(stale, indent=1))
+    assert time.time() - verified_at >= 15
+    assert stale["annotations"]["summary"].startswith(
+        f"No recent launch/pd verify result for this stack. Run: {ROOT}/launch/pd verify "
+    )
+
+
+def test_prefill_stopped_mid_transfer_no_late_write_lands_in_reused_pages(cpu_stack, prometheus):
     """Prefill's scheduler alone stopped after it starts sending a long room: decode fails the
     room after SGLANG_DISAGGREGATION_WAITING_TIMEOUT and keeps its pages quarantined until
     prefill, running again, acknowledges the abort; a second request that needs those pages
     waits for them and then gets exactly its reference tokens and logprobs
-    (engine_harness.prefill_frozen_mid_transfer)."""
-    prefill_frozen_mid_transfer(cpu_stack, LONG_ROOM, SECOND_ROOM)
+    (engine_harness.prefill_frozen_mid_transfer). While the room waits in decode's transfer
+    queue, PDDecodeTransferQueueStuck fires on its age; while its pages are quarantined and no
+    request is anywhere, PDTokensHeldAfterTraffic fires (--held-after 3); while the second
+    request waits in the prealloc queue and decode runs no step, PDDecodePreallocQueueStuck
+    fires."""
+    transfer = prometheus.watch("PDDecodeTransferQueueStuck", 300, pd_instance="decode")
+    held: dict[str, dict] = {}
+
+    def while_held() -> None:
+        held["prealloc"] = prometheus.wait_firing(
+            "PDDecodePreallocQueueStuck", 30, pd_instance="decode"
+        )
+
+    def while_quarantined() -> None:
+        held["tokens"] = prometheus.wait_firing(
+            "PDTokensHeldAfterTraffic", 30, pd_instance="decode"
+        )
+
+    prefill_frozen_mid_transfer(cpu_stack, LONG_ROOM, SECOND_ROOM, while_held, while_quarantined)
+    stuck = transfer.result()
+    print("alerts:", json.dumps([stuck, held["prealloc"], held["tokens"]], indent=1))
+    assert firing_value(held["tokens"]) >= len(LONG_ROOM["input_ids"])
+    assert stuck["labels"]["queue"] == "decode_transfer"
+    assert QUEUE_AFTER_S < firing_value(stuck) < WAITING_TIMEOUT_S + 5
+    assert firing_value(held["prealloc"]) > QUEUE_AFTER_S
+    assert "ran no decode step" in held["prealloc"]["annotations"]["description"]
+    prometheus.wait_resolved("PDDecodeTransferQueueStuck", 30)
+    prometheus.wait_resolved("PDDecodePreallocQueueStuck", 30)
 
 
-def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(cpu_stack):
+def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(
+    cpu_stack, prometheus
+):
     """Decode stops after bootstrapping the room: patch 0003 fails it after
-    SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT (engine_harness.decode_frozen_after_bootstrap)."""
+    SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT (engine_harness.decode_frozen_after_bootstrap).
+    Before that, while the room is pinned in prefill's inflight queue and nothing else runs,
+    PDPrefillKVPinned fires on the room's age (patch 0025's gauge); upstream's inflight-queue
+    gauge is printed next to it for comparison."""
+    pinned = prometheus.watch("PDPrefillKVPinned", 300, pd_instance="prefill")
     decode_frozen_after_bootstrap(cpu_stack)
+    alert = pinned.result()
+    upstream = prometheus.query(
+        'max_over_time({__name__=~"sglang[:_]num_prefill_inflight_queue_reqs",'
+        'job="sm120pd-cpu-prefill"}[2m])'
+    )
+    print("alert:", json.dumps(alert, indent=1))
+    print("upstream's inflight-queue gauge, highest in the last 2 minutes:", upstream)
+    assert alert["labels"]["severity"] == "critical"
+    assert QUEUE_AFTER_S < firing_value(alert) < INFLIGHT_TIMEOUT_S + 5
+    assert alert["annotations"]["summary"].startswith(
+        "A prefill room holds its KV past the inflight timeout. Run: "
+        f"{ROOT}/launch/pd verify --env-dir {cpu_stack.env_dir.resolve()}"
+    )
+    prometheus.wait_resolved("PDPrefillKVPinned", 30)
 
 
 def test_decode_wholly_frozen_triage_and_probe_name_it_unresponsive(cpu_stack, prometheus):
@@ -443,8 +582,13 @@ def test_decode_wholly_frozen_triage_and_probe_name_it_unresponsive(cpu_stack, p
         )
         probe = pd(cpu_stack.env_dir, "probe", "--probe-timeout", "10", timeout=120)
         down = prometheus.wait_firing("PDInstanceDown", 30, pd_instance="decode")
+        unanswered = verify_into_textfiles(cpu_stack)
+        check_failed = prometheus.wait_firing("PDVerifyCheckFailed", 30, pd_instance="decode")
     finally:
         os.killpg(group, signal.SIGCONT)
+    assert unanswered.returncode == 1
+    assert check_failed["labels"]["layer"] == "health", check_failed
+    assert not prometheus.alerts("PDKnobDrift")
     print("alert:", json.dumps(down, indent=1))
     assert down["labels"]["severity"] == "critical" and down["labels"]["pd_role"] == "decode"
     assert (
@@ -453,6 +597,21 @@ def test_decode_wholly_frozen_triage_and_probe_name_it_unresponsive(cpu_stack, p
     )
     assert not prometheus.alerts("PDInstanceDown", pd_instance="prefill")
     prometheus.wait_resolved("PDInstanceDown", 30, pd_instance="decode")
+    # Twice more down and back, each too short for PDInstanceDown: a crash loop.
+    for _ in range(2):
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            wait_for(lambda: decode_up(prometheus) == 0, 30, "Prometheus seeing decode down")
+        finally:
+            os.killpg(group, signal.SIGCONT)
+        wait_for(lambda: decode_up(prometheus) == 1, 30, "Prometheus seeing decode back")
+    flapping = prometheus.wait_firing("PDInstanceFlapping", 30, pd_instance="decode")
+    print("alert:", json.dumps(flapping, indent=1))
+    assert firing_value(flapping) >= monitoring.FLAP_CHANGES
+    assert not prometheus.alerts("PDInstanceFlapping", pd_instance="prefill")
+    verified = verify_into_textfiles(cpu_stack)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    prometheus.wait_resolved("PDVerifyCheckFailed", 30)
     out = client.stdout
     print(out, probe.stdout, sep="\n")
     assert client.returncode == 1, out + client.stderr
@@ -472,6 +631,11 @@ def test_decode_wholly_frozen_triage_and_probe_name_it_unresponsive(cpu_stack, p
     wait_idle(cpu_stack, "prefill", timeout_s=INFLIGHT_TIMEOUT_S + 30)
     wait_idle(cpu_stack, "decode", timeout_s=WAITING_TIMEOUT_S + 30)
     serves_a_fresh_request(cpu_stack)
+
+
+def decode_up(prometheus) -> float | None:
+    got = prometheus.query('up{job="sm120pd-cpu-decode"}')
+    return float(got[0]["value"][1]) if got else None
 
 
 def snapshot_age(stack, role: str) -> float:
@@ -592,7 +756,10 @@ def test_requests_held_through_a_stalled_proxy_before_idle_engines_fire_the_aler
         headers = {"content-type": "application/json", "authorization": f"Bearer {cpu_stack.key}"}
         client.request("POST", "/generate", json.dumps(cpu_stack.body), headers)
         stuck = prometheus.wait_firing("PDRequestsStuckBeforeIdleEngines", 60)
-        print("alert:", json.dumps(stuck, indent=1))
+        # The router's workers are the proxies now: neither engine's `worker` is listed.
+        unrouted = prometheus.wait_firing("PDInstanceNotRouted", 30, pd_instance="decode")
+        print("alerts:", json.dumps([stuck, unrouted], indent=1))
+        assert unrouted["labels"]["worker"] == cpu_stack.url["decode"]
         assert stuck["labels"]["severity"] == "critical"
         assert stuck["annotations"]["summary"].endswith(
             f"bench/triage --env-dir {cpu_stack.env_dir.resolve()}"
@@ -610,20 +777,40 @@ def test_requests_held_through_a_stalled_proxy_before_idle_engines_fire_the_aler
             proxy.terminate()
         stalls = [proxy.communicate(timeout=30)[1] for proxy in proxies]
     assert back.returncode == 0, back.stdout + back.stderr
+    prometheus.wait_resolved("PDInstanceNotRouted", 30)
     for log in stalls:
         assert "stall: request 1 on connection from" in log and "(/generate)" in log, log
     serves_a_fresh_request(cpu_stack)
 
 
-def test_decode_killed_mid_stream_the_client_sees_an_error_and_co_restart_recovers(cpu_stack):
+def test_decode_killed_mid_stream_the_client_sees_an_error_and_co_restart_recovers(
+    cpu_stack, prometheus
+):
+    """Decode killed mid-stream: the client sees an error, and co-restart recovers the stack.
+    Co-restart marks each instance before it stops it (PD_TEXTFILE_DIR), so prefill, down for
+    longer than --down-after while it restarts, fires no PDInstanceDown."""
     body = {"text": "hello world", "sampling_params": {"max_new_tokens": 2000, "temperature": 0}}
     # A SIGKILLed engine cannot remove its load snapshot file: co-restart's stop of decode
     # removes it, by the name launch/pd kept when decode came up (launch/pdlib/loadfiles.py).
     killed_file = cpu_stack.snapshot_file("decode")
     kill_decode_mid_stream(cpu_stack, body, kill_after=10)
     assert os.path.exists(killed_file)
+    started = time.time()
     done = pd(cpu_stack.env_dir, "co-restart")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    time.sleep(2)  # one more scrape and evaluation
+    seconds = int(time.time() - started) + 1
+    window = f"[{seconds}s]"
+    prefill = 'pd_instance="prefill",stack="sm120pd-cpu"'
+    down_for = prometheus.query(f"count_over_time((up{{{prefill}}} == 0)[{seconds}s:1s])")
+    marked = prometheus.query(f"max_over_time({maintenance.METRIC}{{{prefill}}}{window})")
+    firing = 'alertname="PDInstanceDown",alertstate="firing"'
+    paged = prometheus.query(f"ALERTS{{{firing},{prefill}}}{window}")
+    print("prefill down for", down_for, "scrapes; marked until", marked, "; paged:", paged)
+    assert down_for and float(down_for[0]["value"][1]) > 3, down_for
+    assert marked and float(marked[0]["value"][1]) > started, marked
+    assert not paged, paged
+    assert maintenance.read(load_stack(cpu_stack.env_dir, sim=False))["prefill"] == 0
     assert f"removed its load snapshot file {killed_file}" in done.stdout, done.stdout
     assert not os.path.exists(killed_file)
     probe = pd(cpu_stack.env_dir, "probe", timeout=180)
