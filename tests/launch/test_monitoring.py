@@ -432,6 +432,7 @@ def template(text: str, labels: dict, value: str) -> str:
         text,
     )
     text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels.get(m.group(1), ""), text)
+    text = text.replace('{{ printf "%.0f" $value }}', f"{float(value):.0f}")
     return text.replace("{{ $value }}", value)
 
 
