@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from launch.pdlib import engine_args
+from launch.pdlib import engine_args, model_path, router_args
 from launch.pdlib.envfiles import (
     FILES,
     EnvDir,
@@ -64,8 +64,49 @@ def check(env_dir: Path) -> tuple[list[str], list[str]]:
     if not problems:
         problems += model_problems(EnvDir(env_dir), notes)
     if not problems:
+        # A model path's problem does not hide the command lines' (they do not depend on it).
+        problems += model_path.problems(EnvDir(env_dir), notes)
         _check_engine_args(Path(env_dir), present, problems, notes)
+        _check_router_args(Path(env_dir), problems, notes)
     return problems, notes
+
+
+# Flags launch/router.sh builds from a variable of its own; the rest come from ROUTER_ARGS.
+_ROUTER_FLAG_VARIABLES = {
+    "--shutdown-grace-period-secs": "ROUTER_SHUTDOWN_GRACE_S",
+    "--host": "ROUTER_HOST",
+    "--port": "ROUTER_PORT",
+    "--prometheus-port": "ROUTER_PROMETHEUS_PORT",
+    "--prometheus-host": "ROUTER_PROMETHEUS_HOST",
+}
+
+
+def _check_router_args(env_dir: Path, problems: list[str], notes: list[str]) -> None:
+    """The router's full command line, parsed by the parser of the smg that SMG_BIN runs."""
+    env = EnvDir(env_dir)
+    values = env.role_env("router")
+    smg_bin = Path(values.get("SMG_BIN") or "smg")
+    if not smg_bin.is_absolute() and len(smg_bin.parts) > 1:
+        smg_bin = router_args.ROOT / smg_bin
+    python = router_args.smg_python(smg_bin)
+    try:
+        argv = router_args.launch_args(router_args.router_command(env_dir))
+        refused = router_args.ask_smg(python, "refusals", argv)
+    except router_args.RouterArgsError as exc:
+        notes.append(f"router flags not checked: {exc}")
+        return
+    notes.append(f"router command line checked with smg's parser (smg/router_args.py, {python})")
+    extra = values.get("ROUTER_ARGS", "").split()
+    for flag, message in refused:
+        if flag and flag in extra:
+            name = "ROUTER_ARGS"
+        else:
+            name = _ROUTER_FLAG_VARIABLES.get(flag or "", "ROUTER_ARGS")
+        where = env.origin("router", None, name)
+        problems.append(
+            f"{where}: {flag or 'the command line'}: smg launch would refuse it in the "
+            f"router's command line ({message})"
+        )
 
 
 def _check_engine_args(env_dir: Path, present, problems: list[str], notes: list[str]) -> None:

@@ -314,3 +314,123 @@ def test_cpu_only_settings_pass_where_every_engine_reading_them_is_a_cpu_engine(
     # ... and passes once both are (as env/cpu sets them).
     set_values(env_dir / "common.env", SGLANG_USE_CPU_ENGINE="1")
     assert CPU_ONLY not in env_check(env_dir).stdout
+
+
+def _smg_launch(*flags: str):
+    """The installed smg itself on a command line (the reference env check must agree with)."""
+    import subprocess
+
+    smg = ROOT / ".venv" / "bin" / "smg"
+    return subprocess.run(
+        [
+            str(smg),
+            "launch",
+            "--pd-disaggregation",
+            "--prefill",
+            "http://127.0.0.1:9",
+            "--decode",
+            "http://127.0.0.1:9",
+            "--port",
+            "0",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def _router_args_line(env_dir) -> int:
+    lines = (env_dir / "router.env").read_text().splitlines()
+    return next(i for i, ln in enumerate(lines, 1) if ln.startswith("ROUTER_ARGS="))
+
+
+def test_env_check_names_a_misspelt_router_flag_with_its_file_and_line(env_dir):
+    # The issue's typo: smg itself stops on it (so the router would fail at up, after the engines).
+    smg = _smg_launch("--worker-overlod-shed")
+    assert smg.returncode == 2 and "unrecognized arguments: --worker-overlod-shed" in smg.stderr
+    set_values(env_dir / "router.env", ROUTER_ARGS='"--policy round_robin --worker-overlod-shed"')
+    done = env_check(env_dir)
+    assert done.returncode == 1, done.stdout
+    fails = [ln for ln in done.stdout.splitlines() if ln.startswith("FAIL")]
+    assert len(fails) == 1, done.stdout
+    assert f"router.env:{_router_args_line(env_dir)}: ROUTER_ARGS" in fails[0]
+    assert "--worker-overlod-shed" in fails[0] and "unrecognized arguments" in fails[0]
+    assert "smg's parser" in done.stdout
+
+
+def test_env_check_refuses_a_router_value_outside_smgs_choices(env_dir):
+    smg = _smg_launch("--policy", "round_robbin")
+    assert smg.returncode == 2 and "invalid choice: 'round_robbin'" in smg.stderr
+    set_values(env_dir / "router.env", ROUTER_ARGS='"--policy round_robbin"')
+    done = env_check(env_dir)
+    fail = next(ln for ln in done.stdout.splitlines() if ln.startswith("FAIL"))
+    assert "ROUTER_ARGS: --policy" in fail and "'round_robbin'" in fail
+
+
+def test_env_check_accepts_the_router_flags_smg_accepts(env_dir):
+    flags = "--worker-overload-shed --pd-admission-wait-secs 10 --retry-max-retries 0"
+    # smg's own launcher parses them (it stops only later, at the unreachable workers).
+    from smg.launch_router import parse_router_args
+
+    parse_router_args(["--pd-disaggregation", *flags.split()])
+    set_values(env_dir / "router.env", ROUTER_ARGS=f'"{flags}"')
+    done = env_check(env_dir)
+    assert done.returncode == 0, done.stdout
+
+
+def test_env_check_refuses_a_model_path_that_is_a_typo_naming_file_line_and_variable(env_dir):
+    # The issue's typo: under build/, a directory of this repository, so not a hub id.
+    set_values(env_dir / "common.env", MODEL_PATH="build/tiny-missing")
+    done = env_check(env_dir)
+    assert done.returncode == 1
+    fail = next(ln for ln in done.stdout.splitlines() if "MODEL_PATH=build/tiny-missing" in ln)
+    line = next(
+        i
+        for i, ln in enumerate((env_dir / "common.env").read_text().splitlines(), 1)
+        if ln.startswith("MODEL_PATH=")
+    )
+    assert fail.startswith("FAIL") and f"common.env:{line}: MODEL_PATH" in fail
+    assert "no such directory" in fail
+    # A bare name, a relative path and an absolute one, all missing here.
+    for bad in ("tiny-missing", "./models/x", "/nonexistent/deepseek-ai/DeepSeek-V4-Flash"):
+        set_values(env_dir / "common.env", MODEL_PATH=bad)
+        assert f"FAIL {env_dir}/common.env:{line}: MODEL_PATH={bad}" in env_check(env_dir).stdout
+
+
+def test_env_check_accepts_a_hub_id_with_a_note_and_a_model_directory(env_dir, tmp_path):
+    set_values(env_dir / "common.env", MODEL_PATH="deepseek-ai/DeepSeek-V4-Pro")
+    done = env_check(env_dir)
+    assert done.returncode == 0, done.stdout
+    note = next(ln for ln in done.stdout.splitlines() if "DeepSeek-V4-Pro" in ln)
+    assert note.startswith("note") and "model-hub id" in note and "download" in note
+    model = _model(tmp_path, "llama")
+    set_values(env_dir / "common.env", MODEL_PATH=str(model))
+    assert env_check(env_dir).returncode == 0
+    (model / "config.json").unlink()
+    done = env_check(env_dir)
+    assert done.returncode == 1 and "without config.json" in done.stdout
+
+
+def test_env_check_leaves_a_model_path_on_another_host_to_that_host(env_dir):
+    set_values(env_dir / "common.env", MODEL_PATH="/models/DeepSeek-V4-Flash")
+    assert "no such directory" in env_check(env_dir).stdout
+    # PD_HOST names this host: the engines' 127.0.0.1 is then another host's address.
+    done = run_pd("env", "check", "--env-dir", str(env_dir), env_extra={"PD_HOST": "elsewhere"})
+    assert "no such directory" not in done.stdout, done.stdout
+    assert "not this host, so it was not checked here" in done.stdout
+
+
+def test_env_cpu_passes_env_check_before_its_tiny_model_is_made(tmp_path):
+    env = tmp_path / "cpu"
+    shutil.copytree(ROOT / "env" / "cpu", env)
+    set_values(env / "common.env", MODEL_PATH="build/tiny-llama-not-made")
+    assert env_check(env).returncode == 1
+    # The name tools/make_tiny_model.py links its Llama under, made or not.
+    from tools import make_tiny_model
+
+    set_values(env / "common.env", MODEL_PATH=f"build/{make_tiny_model.default_out().name}")
+    done = env_check(env)
+    assert done.returncode == 0, done.stdout
+    if not (ROOT / "build" / "tiny-llama" / "config.json").is_file():
+        assert "tools/make_tiny_model.py makes it" in done.stdout
