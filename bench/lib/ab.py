@@ -14,10 +14,12 @@ from typing import Any
 import aiohttp
 
 from bench.lib import arms as arms_mod
+from bench.lib import router_counters
 from bench.lib.client import add_api_key_arg, first_model_id, redact
 from bench.lib.load import LoadSpec, run_load
 from bench.lib.metrics import summarize_run
 from bench.lib.report import render
+from launch.pdlib import router_args
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -34,12 +36,53 @@ class Plan:
     request_timeout_s: float
     max_error_rate: float
     fresh_connections: bool = False
+    max_router_diff_rate: float = 0.0
 
 
 def _progress(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, unit="req", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def _router_counts(arm, before: dict[str, float] | None, error: str | None) -> dict[str, Any]:
+    """The run's router decisions: the counters' difference over the measured window."""
+    if arm.metrics_url is None:
+        return {"required": False, "read": False, "detail": "router metrics URL not given"}
+    record: dict[str, Any] = {"required": True, "read": False, "url": arm.metrics_url}
+    if error is None:
+        try:
+            after = router_counters.scrape(arm.metrics_url)
+        except router_counters.CountersError as exc:
+            error = str(exc)
+        else:
+            record.update(router_counters.delta(before or {}, after), read=True)
+    if error is not None:
+        record["detail"] = f"not read: {error}"
+    record["flags"] = router_counters.flags(record)
+    return record
+
+
+def _scrape_before(arm) -> tuple[dict[str, float] | None, str | None]:
+    if arm.metrics_url is None:
+        return None, None
+    try:
+        return router_counters.scrape(arm.metrics_url), None
+    except router_counters.CountersError as exc:
+        return None, str(exc)
+
+
+def check_router_settings(arm_a, arm_b) -> dict[str, Any] | None:
+    """Both arms' routers as they would start: a routing setting that differs stops the A/B
+    before anything is started (the knob must be the only difference)."""
+    a, b = arm_a.planned_router_settings(), arm_b.planned_router_settings()
+    differences = router_args.settings_differences(a, b)
+    if differences:
+        raise arms_mod.ArmError(
+            "the arms' routers would run with different routing settings, so the A/B would "
+            "not measure the knob alone: " + "; ".join(differences)
+        )
+    return None if a is None else {"source": a["source"], "settings": a["settings"]}
 
 
 async def _warm_up(url: str, model: str, plan: Plan, api_key: str) -> None:
@@ -75,9 +118,12 @@ def run_ab(
             "request_timeout_s": plan.request_timeout_s,
             "max_error_rate": plan.max_error_rate,
             "fresh_connections": plan.fresh_connections,
+            "max_router_diff_rate": plan.max_router_diff_rate,
         },
+        "router_settings": {"A": {}, "B": {}},
         "runs": [],
     }
+    summary["router_settings_planned"] = check_router_settings(arm_a, arm_b)
     total = plan.trials * 2 * sum(plan.requests_per_c * c for c in plan.concurrency)
     bar = _progress(total, progress)
     raw = (out_dir / "requests.jsonl").open("w")
@@ -86,6 +132,7 @@ def run_ab(
             for arm in (arm_a, arm_b):
                 bar.set_description(f"trial {trial} arm {arm.name}: preparing")
                 knob = arm.prepare(trial)
+                summary["router_settings"][arm.name][str(trial)] = arm.router_settings()
                 try:
                     model = asyncio.run(
                         first_model_id(arm.url, plan.request_timeout_s, arm.api_key)
@@ -106,6 +153,7 @@ def run_ab(
                         plan.request_timeout_s,
                         plan.fresh_connections,
                     )
+                    before, error = _scrape_before(arm)
                     outputs, duration = asyncio.run(
                         run_load(
                             arm.url,
@@ -124,6 +172,7 @@ def run_ab(
                     # Whether a key was sent, never the key.
                     run["api_key_sent"] = bool(arm.api_key)
                     run.update(summarize_run(records, duration))
+                    run["router"] = _router_counts(arm, before, error)
                     summary["runs"].append(run)
                     # Written after every run so an interrupted A/B still leaves its evidence.
                     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -228,6 +277,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a new connection per request, as sglang.bench_serving does (default: keep-alive)",
     )
     parser.add_argument(
+        "--max-router-diff-rate",
+        type=float,
+        default=0.0,
+        help="refuse the delta at a C when the arms' router sheds, or their router retries, "
+        "differ by more than this fraction of the requests at that C (default: 0, any "
+        "difference refuses)",
+    )
+    arm.add_argument(
+        "--router-metrics-a",
+        help="with --url-a: the router's Prometheus /metrics URL, so its counters are recorded "
+        "(env arms read ROUTER_PROMETHEUS_PORT from their env)",
+    )
+    arm.add_argument("--router-metrics-b", help="with --url-b: as --router-metrics-a")
+    parser.add_argument(
         "--out", type=Path, help="results directory (default: bench/results/<UTC timestamp>)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -242,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--request-timeout-s must be > 0")
     if not 0 <= args.max_error_rate <= 1:
         parser.error("--max-error-rate must be within 0..1")
+    if not 0 <= args.max_router_diff_rate <= 1:
+        parser.error("--max-router-diff-rate must be within 0..1")
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     out_dir = args.out or RESULTS / stamp
     args.out_work = out_dir
@@ -260,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         args.request_timeout_s,
         args.max_error_rate,
         args.fresh_connections,
+        args.max_router_diff_rate,
     )
     try:
         run_ab(plan, arm_a, arm_b, out_dir, progress=not args.no_progress)

@@ -10,7 +10,10 @@ from typing import Any
 
 from bench.lib.client import resolve_api_key
 from bench.lib.stack import stack_from_env_dir
-from launch.pdlib.envfiles import parse_file
+from launch.pdlib import router_args
+from launch.pdlib.envfiles import EnvDir, parse_file
+from launch.pdlib.stack import load_stack, router_metrics_host
+from launch.pdlib.supervise import recorded_process
 
 ROOT = Path(__file__).resolve().parents[2]
 PD = ROOT / "launch" / "pd"
@@ -25,16 +28,25 @@ class ArmError(RuntimeError):
 class UrlArm:
     mode = "urls"
 
-    def __init__(self, name: str, url: str, api_key: str = ""):
+    def __init__(self, name: str, url: str, api_key: str = "", metrics_url: str | None = None):
         self.name = name
         self.url = url.rstrip("/")
         self.api_key = api_key
+        # The router's Prometheus /metrics, when given: its counters are then read per run.
+        self.metrics_url = metrics_url
 
     def describe(self) -> str:
         return f"running stack at {self.url}"
 
     def prepare(self, _trial: int) -> dict[str, Any]:
         return {"required": False, "verified": None, "detail": "URL mode: nothing applied"}
+
+    def planned_router_settings(self) -> dict[str, Any] | None:
+        return None
+
+    def router_settings(self) -> dict[str, Any] | None:
+        """Not known for a stack this tool did not start."""
+        return None
 
 
 def apply_overlay(base: Path, overlay: Path, dest: Path) -> dict[str, str]:
@@ -82,6 +94,7 @@ class EnvArm:
         self.url = ""
         self.cli_api_key = cli_api_key
         self.api_key = ""
+        self.metrics_url: str | None = None
 
     def describe(self) -> str:
         return f"{self.overlay} over {self.base}" + (" (sim)" if self.sim else "")
@@ -100,6 +113,11 @@ class EnvArm:
     def prepare(self, trial: int) -> dict[str, Any]:
         values = apply_overlay(self.base, self.overlay, self.env_dir)
         self.url = stack_from_env_dir(self.env_dir).router_url or ""
+        router_env = EnvDir(self.env_dir).role_env("router")
+        self.metrics_url = (
+            f"http://{router_metrics_host(router_env)}:{router_env['ROUTER_PROMETHEUS_PORT']}"
+            "/metrics"
+        )
         # The key this arm's stack is (re)started with, unless --api-key says otherwise.
         self.api_key = resolve_api_key(self.cli_api_key, self.env_dir)
         restart = self._pd("co-restart")
@@ -118,6 +136,36 @@ class EnvArm:
             detail += f"; launch/pd verify exited {verify.returncode}"
         return {"required": True, "verified": verified, "detail": detail, "keys": values}
 
+    def _smg_python(self) -> str:
+        smg_bin = EnvDir(self.env_dir).role_env("router").get("SMG_BIN") or "smg"
+        path = Path(smg_bin)
+        return router_args.smg_python(path if path.is_absolute() else ROOT / path)
+
+    def planned_router_settings(self) -> dict[str, Any]:
+        """The routing settings launch/router.sh would start this arm's router with (the base
+        env with the arm's overlay, read by smg's parser), before anything is started."""
+        apply_overlay(self.base, self.overlay, self.env_dir)
+        try:
+            argv = router_args.launch_args(router_args.router_command(self.env_dir))
+            settings = router_args.ask_smg(self._smg_python(), "settings", argv)
+        except router_args.RouterArgsError as exc:
+            raise ArmError(f"arm {self.name}: the router's command line: {exc}") from exc
+        return {"source": "launch/router.sh --dry-run", "settings": settings}
+
+    def router_settings(self) -> dict[str, Any]:
+        """The routing settings this arm's router runs with: its live command line when
+        launch/pd started it here (pid file), else the one launch/router.sh would use."""
+        stack = load_stack(self.env_dir, sim=self.sim)
+        proc = recorded_process(stack.run_dir / "router.pid")
+        try:
+            if proc is None:
+                return self.planned_router_settings()
+            argv = router_args.launch_args(proc.cmdline())
+            settings = router_args.ask_smg(self._smg_python(), "settings", argv)
+        except (router_args.RouterArgsError, OSError) as exc:
+            return {"source": "unreadable", "error": str(exc), "settings": None}
+        return {"source": f"router pid {proc.pid} command line", "settings": settings}
+
 
 def arms_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     urls = (args.url_a, args.url_b)
@@ -128,7 +176,15 @@ def arms_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
         if not all(urls):
             raise ArmError("--url-a and --url-b go together")
         key = resolve_api_key(args.api_key, args.env_dir)
-        return UrlArm("A", args.url_a, key), UrlArm("B", args.url_b, key)
+        metrics = (args.router_metrics_a, args.router_metrics_b)
+        if any(metrics) and not all(metrics):
+            raise ArmError("--router-metrics-a and --router-metrics-b go together")
+        return (
+            UrlArm("A", args.url_a, key, args.router_metrics_a),
+            UrlArm("B", args.url_b, key, args.router_metrics_b),
+        )
+    if args.router_metrics_a or args.router_metrics_b:
+        raise ArmError("--router-metrics-a/-b are for --url-a/--url-b (env arms read env's)")
     if not all(envs):
         raise ArmError("give --a and --b (env overlays) or --url-a and --url-b")
     for path in envs:

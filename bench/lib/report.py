@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.lib import router_counters
 from bench.lib.stats import paired_delta_pct, verdict
+from launch.pdlib.router_args import settings_differences
 
 REFUSED = "refused"
 
@@ -40,8 +42,58 @@ def refusal_reasons(summary: dict[str, Any], c: int) -> list[str]:
                     f"arm {arm} trial {r['trial']}: knob not verified live in the decode process"
                     f" ({knob.get('detail') or 'no verification recorded'})"
                 )
+    reasons += _router_reasons(summary, c)
     if min(len(_trial_runs(summary, a, c)) for a in ("A", "B")) < 2 and not reasons:
         reasons.append(f"fewer than 2 trials per arm at C{c}: no confidence interval")
+    return reasons
+
+
+def _router_reasons(summary: dict[str, Any], c: int) -> list[str]:
+    """The router's part of the evidence at C: it ran with the same settings in both arms of
+    each trial, its counters were read where they could be, and the arms' sheds and retries
+    differ by no more than the stated bound (an arm that shed or retried more did other work)."""
+    reasons = []
+    settings = summary.get("router_settings") or {}
+    for trial in sorted(set(settings.get("A", {})) & set(settings.get("B", {})), key=int):
+        a, b = settings["A"][trial], settings["B"][trial]
+        differences = settings_differences(a, b)
+        if differences:
+            reasons.append(
+                f"trial {trial}: the arms' routers ran with different routing settings "
+                f"({'; '.join(differences)})"
+            )
+    totals = {}
+    for arm in ("A", "B"):
+        runs = _trial_runs(summary, arm, c)
+        for r in runs:
+            router = r.get("router") or {}
+            if router.get("required") and not router.get("read"):
+                reasons.append(
+                    f"arm {arm} trial {r['trial']} at C{c}: router counters "
+                    f"{router.get('detail', 'not read')}"
+                )
+            if router.get("reset"):
+                reasons.append(
+                    f"arm {arm} trial {r['trial']} at C{c}: the router restarted during the run "
+                    "(its counters went down), so its decisions are unknown"
+                )
+        read = [r["router"] for r in runs if (r.get("router") or {}).get("read")]
+        totals[arm] = (
+            sum(router_counters.sheds(x) for x in read),
+            sum(router_counters.retries(x) for x in read),
+            sum(r["requests"] for r in runs),
+        )
+    bound = float(summary["config"].get("max_router_diff_rate", 0.0))
+    requests = max(totals["A"][2], totals["B"][2], 1)
+    for what, i in (("sheds", 0), ("retries", 1)):
+        a, b = totals["A"][i], totals["B"][i]
+        if abs(a - b) / requests > bound:
+            reasons.append(
+                f"router {what} at C{c}: A {a}, B {b} over {requests} requests per arm, a "
+                f"difference of {abs(a - b) / requests:.2%} > the bound {bound:.2%} "
+                f"(--max-router-diff-rate): the router took different decisions in the two "
+                "arms, so the throughput delta is not the knob's alone"
+            )
     return reasons
 
 
@@ -141,6 +193,7 @@ def render_markdown(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         for row in refused:
             for reason in row["refusals"]:
                 lines.append(f"- C{row['concurrency']}: {reason}")
+    lines += _router_section(summary)
     knob_lines = sorted(
         {
             f"- arm {r['arm']} trial {r['trial']}: {r['knob'].get('detail', '')}"
@@ -151,6 +204,53 @@ def render_markdown(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if knob_lines:
         lines += ["", "## Knob verification per trial", "", *knob_lines]
     return "\n".join(lines) + "\n"
+
+
+ROUTER_COLUMNS = (
+    ("admission_waits", "adm. waits"),
+    ("admission_sheds", "adm. sheds"),
+    ("overload_sheds", "overload sheds"),
+    ("overload_fallbacks", "overload fallbacks"),
+    ("retries", "retries"),
+    ("retries_exhausted", "retries exhausted"),
+    ("cb_transitions", "CB transitions"),
+    ("router_errors", "router errors"),
+    (router_counters.HTTP_ERRORS, "4xx/5xx"),
+)
+
+
+def _router_section(summary: dict[str, Any]) -> list[str]:
+    runs = summary["runs"]
+    read = [r for r in runs if (r.get("router") or {}).get("read")]
+    lines = ["", "## Router decisions per run (smg counters over the measured window)", ""]
+    if not read:
+        unread = {(r.get("router") or {}).get("detail") for r in runs} - {None}
+        detail = "; ".join(sorted(unread)) or "not recorded by this version of bench/ab"
+        return lines + [f"- router counters not read: {detail}"]
+    lines += [
+        "| C | arm | trial | " + " | ".join(label for _, label in ROUTER_COLUMNS) + " |",
+        "|---|---|---|" + "---|" * len(ROUTER_COLUMNS),
+    ]
+    for r in sorted(read, key=lambda r: (r["concurrency"], r["trial"], r["arm"])):
+        counts = r["router"]["counts"]
+        cells = " | ".join(str(counts.get(key, 0)) for key, _ in ROUTER_COLUMNS)
+        lines.append(f"| {r['concurrency']} | {r['arm']} | {r['trial']} | {cells} |")
+    flagged = [r for r in runs if (r.get("router") or {}).get("flags")]
+    if flagged:
+        lines += ["", "### Runs in which the router shed, retried or tripped", ""]
+        for r in flagged:
+            lines.append(
+                f"- arm {r['arm']} trial {r['trial']} C{r['concurrency']}: "
+                + "; ".join(r["router"]["flags"])
+            )
+    planned = summary.get("router_settings_planned")
+    if planned:
+        lines += [
+            "",
+            f"Both arms' routers: the same routing settings ({planned['source']}, read with "
+            "smg's parser), checked again per trial from each router's command line.",
+        ]
+    return lines
 
 
 def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:

@@ -105,6 +105,18 @@ def smg_settings(argv: list[str]) -> dict[str, object]:
     return {k: v for k, v in sorted(vars(namespace).items()) if k not in NOT_ROUTING}
 
 
+def settings_differences(a: dict | None, b: dict | None) -> list[str]:
+    """'--flag: A x, B y' for each routing setting in which two routers differ."""
+    if not a or not b or a.get("settings") is None or b.get("settings") is None:
+        return []
+    sa, sb = a["settings"], b["settings"]
+    return [
+        f"--{key.replace('_', '-')}: A {sa.get(key)!r}, B {sb.get(key)!r}"
+        for key in sorted(set(sa) | set(sb))
+        if sa.get(key) != sb.get(key)
+    ]
+
+
 def smg_python(smg_bin: Path) -> str:
     """The interpreter smg is installed in: the #! line of its console script, else this one."""
     try:

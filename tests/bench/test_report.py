@@ -122,3 +122,80 @@ def test_report_cli_rejects_a_directory_without_summary(tmp_path):
     result = run_tool("bench/report", str(tmp_path))
     assert result.returncode == 2
     assert "no summary.json" in result.stderr
+
+
+def _with_router(summary, sheds_b=0, retries_b=0):
+    from bench.lib.router_counters import COUNTERS, HTTP_ERRORS, flags
+
+    for run in summary["runs"]:
+        counts = {key: 0 for key in COUNTERS} | {HTTP_ERRORS: 0}
+        if run["arm"] == "B" and run["concurrency"] == 64:
+            counts.update(admission_sheds=sheds_b, retries=retries_b)
+        run["router"] = {"required": True, "read": True, "counts": counts, "reset": []}
+        run["router"]["flags"] = flags(run["router"])
+    return summary
+
+
+def test_an_arm_whose_router_shed_is_flagged_and_its_delta_refused(tmp_path):
+    summary = _with_router(_summary(), sheds_b=3)
+    rows = {r["concurrency"]: r for r in compare(summary)}
+    assert rows[64]["verdict"] == "refused"
+    reason = next(x for x in rows[64]["refusals"] if "router sheds" in x)
+    assert "A 0, B 9" in reason and "--max-router-diff-rate" in reason
+    assert rows[80]["verdict"] == "no detectable difference"  # no shed there
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    report = render(tmp_path)
+    assert "- arm B trial 2 C64: router shed 3 request(s) (admission 3, overload 0)" in report
+    # Within a stated bound the delta stands, and the flags stay in the report.
+    summary["config"]["max_router_diff_rate"] = 0.02  # 9 of 768 is 1.2%
+    rows = {r["concurrency"]: r for r in compare(summary)}
+    assert rows[64]["verdict"] == "B faster"
+
+
+def test_router_retries_differing_between_arms_refuse_the_delta():
+    rows = {r["concurrency"]: r for r in compare(_with_router(_summary(), retries_b=1))}
+    assert any("router retries at C64: A 0, B 3" in x for x in rows[64]["refusals"])
+
+
+def test_unread_router_counters_refuse_the_delta_naming_the_run():
+    summary = _with_router(_summary())
+    run = next(r for r in summary["runs"] if r["arm"] == "A" and r["concurrency"] == 96)
+    run["router"] = {"required": True, "read": False, "detail": "not read: connection refused"}
+    rows = {r["concurrency"]: r for r in compare(summary)}
+    assert any("router counters not read: connection refused" in x for x in rows[96]["refusals"])
+    assert rows[64]["verdict"] == "B faster"
+
+
+def test_routers_started_with_different_settings_refuse_every_delta_naming_the_flag():
+    summary = _summary()
+    same = {"source": "router pid 7 command line", "settings": {"worker_overload_shed": False}}
+    summary["router_settings"] = {
+        "A": {"1": same, "2": same},
+        "B": {"1": same, "2": {**same, "settings": {"worker_overload_shed": True}}},
+    }
+    for row in compare(summary):
+        assert row["verdict"] == "refused"
+        assert any(
+            "trial 2" in x and "--worker-overload-shed: A False, B True" in x
+            for x in row["refusals"]
+        )
+
+
+def test_router_counters_are_read_from_smgs_exposition():
+    from bench.lib.router_counters import delta, read
+
+    text = (
+        "# TYPE smg_worker_overload_shed_total counter\n"
+        'smg_worker_overload_shed_total{stage="selection"} 2\n'
+        'smg_worker_overload_shed_total{stage="pd_admission"} 1\n'
+        "# TYPE smg_pd_admission_waits_total counter\n"
+        "smg_pd_admission_waits_total 5\n"
+        "# TYPE smg_http_responses_total counter\n"
+        'smg_http_responses_total{path="/v1/chat/completions",status_code="503",error_code="x"} 3\n'
+        'smg_http_responses_total{path="/v1/chat/completions",status_code="200",error_code=""} 9\n'
+    )
+    counts = read(text)
+    assert counts["overload_sheds"] == 3 and counts["admission_waits"] == 5
+    assert counts["http_error_responses"] == 3 and counts["retries"] == 0
+    assert delta(counts, read(text.replace(" 5\n", " 7\n")))["counts"]["admission_waits"] == 2
+    assert delta(counts, read(text.replace(" 5\n", " 1\n")))["reset"] == ["admission_waits"]
