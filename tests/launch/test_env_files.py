@@ -434,3 +434,29 @@ def test_env_cpu_passes_env_check_before_its_tiny_model_is_made(tmp_path):
     assert done.returncode == 0, done.stdout
     if not (ROOT / "build" / "tiny-llama" / "config.json").is_file():
         assert "tools/make_tiny_model.py makes it" in done.stdout
+
+
+def test_router_env_files_state_the_overload_and_admission_settings_with_a_reason():
+    from launch.pdlib import router_args
+
+    for name in ("router.env", "cpu/router.env", "cpu-dsv4/router.env"):
+        path = ROOT / "env" / name
+        text = path.read_text()
+        args = {ln.partition("=")[0]: ln for ln in text.splitlines()}["ROUTER_ARGS"]
+        comments = "\n".join(ln for ln in text.splitlines() if ln.startswith("#"))
+        for flag in (
+            "--worker-overload-waiting-requests",
+            "--worker-overload-token-usage",
+            "--pd-admission-wait-secs",
+            "--retry-max-retries",
+            "--worker-overload-shed",
+        ):
+            assert flag in comments, (name, flag)
+        assert "--worker-overload-shed" not in args, name  # off, so no arm wins by refusing load
+        # smg's own parser reads the values the comments give.
+        python = router_args.smg_python(ROOT / ".venv" / "bin" / "smg")
+        settings = router_args.ask_smg(python, "settings", args.split('"')[1].split())
+        assert settings["worker_overload_waiting_requests"] == 8
+        assert settings["worker_overload_token_usage"] == 0.8
+        assert settings["pd_admission_wait_secs"] == 30 and settings["retry_max_retries"] == 5
+        assert settings["worker_overload_shed"] is False
