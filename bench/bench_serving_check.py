@@ -1,5 +1,9 @@
 #!/usr/bin/env python3
-"""Run sglang.bench_serving and our load generator against the same server, same load.
+"""Run sglang.benchmark.serving and our load generator against the same server, same load.
+
+sglang.benchmark.serving is the serving benchmark's name from sglang 0.5.23 (the release this
+repository pins), where `python -m sglang.bench_serving` only warns and forwards to it; an
+sglang without it is refused with one line (older releases are not supported).
 
 Prints both runs' output tok/s, request/s and client CPU per output token, and their ratio: the
 check that our client reports what the tool SGLang users trust reports, and that neither client
@@ -65,7 +69,7 @@ def run_bench_serving(url: str, model: str, args: argparse.Namespace, work: Path
     cmd = [
         sys.executable,
         "-m",
-        "sglang.benchmark.serving",
+        SERVING_MODULE,
         "--backend",
         "sglang-oai-chat",
         "--base-url",
@@ -138,7 +142,8 @@ def run_bench_serving(url: str, model: str, args: argparse.Namespace, work: Path
 
 OURS_KEEP = "ours, keep-alive"
 OURS_FRESH = "ours, fresh connections"
-THEIRS = "sglang.bench_serving"
+THEIRS = "sglang.benchmark.serving"
+SERVING_MODULE = THEIRS
 CLIENTS = (OURS_KEEP, OURS_FRESH, THEIRS)
 
 
@@ -252,6 +257,15 @@ def _summary(runs: dict[str, list[Run]]) -> list[str]:
     return lines
 
 
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     target = parser.add_mutually_exclusive_group(required=True)
@@ -287,6 +301,11 @@ def main() -> int:
         )
     if args.sim_step_s < 0:
         parser.error("--sim-step-s must be >= 0")
+    if not _has_module(SERVING_MODULE):
+        parser.error(
+            f"this sglang has no {SERVING_MODULE} (sglang 0.5.23 and later have it; older "
+            "releases, with only sglang.bench_serving, are not supported)"
+        )
     if args.sim:
         timing = {**NEAR_ZERO, "PD_SIM_DECODE_STEP_BASE_S": str(args.sim_step_s)}
         try:

@@ -127,7 +127,9 @@ def test_bench_serving_check_gives_both_clients_the_key(keyed_stack):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "API key sent" in result.stdout
     # bench_serving completed every request (errors 0), which the router allows only with the key.
-    summary = [ln for ln in result.stdout.splitlines() if ln.startswith("  sglang.bench_serving")]
+    summary = [
+        ln for ln in result.stdout.splitlines() if ln.startswith("  sglang.benchmark.serving")
+    ]
     assert summary and summary[0].endswith("errors 0"), result.stdout
     _no_key_printed(result)
     refused = run_tool(

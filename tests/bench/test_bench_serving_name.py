@@ -1,0 +1,23 @@
+"""bench/bench_serving_check.py runs sglang's serving benchmark under its 0.5.23 name."""
+
+import importlib.util
+import sys
+
+import pytest
+from bench_harness import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def test_the_check_runs_the_serving_benchmark_the_installed_sglang_names_current():
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed for this Python")
+    import bench_serving_check
+
+    assert bench_serving_check.SERVING_MODULE == "sglang.benchmark.serving"
+    assert importlib.util.find_spec(bench_serving_check.SERVING_MODULE) is not None
+    # The old name is only sglang's deprecation shim, forwarding to the module the check runs.
+    old = importlib.util.find_spec("sglang.bench_serving")
+    if old is not None:
+        text = open(old.origin).read()
+        assert "deprecated" in text and bench_serving_check.SERVING_MODULE in text
