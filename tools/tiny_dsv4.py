@@ -75,7 +75,10 @@ class Shape:
     @property
     def name(self) -> str:
         ratios = "-".join(str(r) for r in self.compress_ratios)
-        return f"tiny-dsv4-r{ratios}-h{self.heads}-d{self.hidden}-s{self.seed}"
+        routing = ""  # the standard routing keeps the names models were cached under
+        if (self.experts, self.experts_per_token, self.hash_layers) != (4, 4, 1):
+            routing = f"-e{self.experts}k{self.experts_per_token}x{self.hash_layers}"
+        return f"tiny-dsv4-r{ratios}-h{self.heads}-d{self.hidden}{routing}-s{self.seed}"
 
 
 # The two standard models: sliding window only, and one layer of each kind.
