@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -66,6 +67,38 @@ ENTRY_MIN_COS = 0.995
 # sglang vs transformers with FP8-quantized KV: bf16 weights and activations in sglang against
 # float32 in transformers, over every layer.
 HF_MIN_COS = 0.999
+# A token whose top-k expert choice differs between sglang (bf16) and transformers (float32) is
+# a router near-tie when transformers scores its own pick at most this much above sglang's
+# (router scores, sqrtsoftplus of the logits plus the correction bias: O(1) values, computed
+# by sglang from bf16 activations). Such a token is then routed to sglang's experts in the
+# transformers reference too; a wider flip means the router's inputs differ (an error upstream
+# of that layer's MoE) and fails the check.
+ROUTER_TIE_MAX = 0.05
+
+
+def aligned_routing(model: Path, tokens: list[int], routes: dict, positions: range):
+    """transformers' reference routed like sglang where the two routers are near-tied.
+
+    Forcing one near-tie changes what the later layers see, so this repeats until no new
+    near-tie appears (at most one pass per layer). Returns (forced, wide): the near-tie flips
+    the reference now follows, and the flips wider than ROUTER_TIE_MAX left, which fail."""
+    force: set = set()
+    forced: list[dict] = []
+    new: list[dict] = []
+    for _ in range(len(routes) + 1):
+        flips: list[dict] = []
+        transformers_logits(model, tokens, positions, fp8_kv=False, routes=routes,
+                            force=force, flips=flips)  # fmt: skip
+        new = [f for f in flips if (f["layer"], f["token"]) not in force]
+        ties = [f for f in new if f["margin"] <= ROUTER_TIE_MAX]
+        if not ties:
+            return forced, new
+        # The earliest layer's ties first: a later layer's may be their consequence.
+        first = min(f["layer"] for f in ties)
+        ties = [f for f in ties if f["layer"] == first]
+        forced += ties
+        force |= {(f["layer"], f["token"]) for f in ties}
+    return forced, [f for f in new if (f["layer"], f["token"]) not in force]
 
 
 class BadInput(Exception):
@@ -136,8 +169,8 @@ def prompt_ids(cfg: dict, length: int, seed: int) -> list[int]:
 class KernelSpy:
     """Wraps flash_mla_with_kvcache_sm120 and the backend's _forward_attention."""
 
-    def __init__(self, window: int, index_topk: int):
-        self.window, self.index_topk = window, index_topk
+    def __init__(self, window: int, index_topk: int, native: int = 1 << 30):
+        self.window, self.index_topk, self.native = window, index_topk, native
         self.calls: list[dict] = []
         self._ctx: list[tuple] = []
 
@@ -171,6 +204,28 @@ class KernelSpy:
         fm.flash_mla_with_kvcache_sm120 = flash_mla_with_kvcache_sm120
         self._count_interpreted_kernels()
         self._record_compressed_entries()
+
+    def record_routing(self, model) -> None:
+        """Note each MoE layer's expert choice per token (its top-k module's output), for the
+        routing comparison with transformers (`routing_flips`)."""
+        self._routes: dict[int, list] = {}
+        for i, layer in enumerate(model.model.layers):
+            topk = getattr(getattr(layer, "mlp", None), "topk", None)
+            if topk is None:
+                continue
+
+            def hook(module, args, out, i=i):
+                ids = getattr(out, "topk_ids", None)
+                if ids is not None:
+                    self._routes.setdefault(i, []).append(ids.detach().long().cpu().clone())
+
+            topk.register_forward_hook(hook)
+
+    def routes(self) -> dict:
+        """{layer: [tokens, k] expert ids, in the order the tokens were fed}."""
+        import torch
+
+        return {i: torch.cat(ids) for i, ids in getattr(self, "_routes", {}).items()}
 
     def _record_compressed_entries(self) -> None:
         """Note where each compressing layer stores each compressed entry (main KV and the
@@ -331,7 +386,9 @@ class KernelSpy:
             kw.get("extra_indices_in_kvcache"),
             kw.get("extra_topk_length"),
         )
-        o, r = out[0].float(), ref_out.float()
+        # The heads the model keeps: upstream pads the torch backend's decode q to 64 heads at
+        # TP > 1, and those rows are NaN in both (the model slices them off).
+        o, r = out[0].float()[..., : self.native, :], ref_out.float()[..., : self.native, :]
         err = (o - r).abs()
         tol = 1e-2 * r.abs().amax().clamp(min=1.0) + 1e-2 * r.abs()
         lse, rlse = out[1].reshape(ref_lse.shape), ref_lse
@@ -368,7 +425,11 @@ def _rank(server_args, port_args, bench_args, gpu_id, tp_rank):
     job = json.loads(os.environ[_WORKER_ENV])
     cfg = json.loads((Path(job["model"]) / "config.json").read_text())
     ids, forced = job["ids"], job["forced"]
-    spy = KernelSpy(window=cfg["window_size"], index_topk=cfg["index_topk"])
+    spy = KernelSpy(
+        window=cfg["window_size"],
+        index_topk=cfg["index_topk"],
+        native=cfg["num_attention_heads"] // server_args.tp_size,
+    )
     with override_platform(is_sm120=True):
         ob.publish(
             server_args,
@@ -379,8 +440,13 @@ def _rank(server_args, port_args, bench_args, gpu_id, tp_rank):
             ),
         )
         ob._init_process_global_configs()
+        if job.get("kill_rank") == tp_rank:  # fault injection (tests): this rank dies here
+            os._exit(3)
         runner, _ = ob.load_model(server_args, port_args, gpu_id, tp_rank)
         spy.install()
+        spy.record_routing(runner.torch_runner.model)
+        if job.get("perturb"):  # fault injection (tests): noise on one weight, sglang only
+            _perturb(runner.torch_runner.model, job["perturb"])
         reqs = ob.prepare_synthetic_inputs_for_latency_test(1, len(ids), custom_inputs=[ids])
         t0 = time.monotonic()
         next_ids, logits, batch = runner.extend(reqs)
@@ -392,20 +458,80 @@ def _rank(server_args, port_args, bench_args, gpu_id, tp_rank):
             all_logits.append(logits[0].float().clone())
         entries = spy.entries()
         runner.cleanup(batch)
-    if tp_rank == 0:
-        result = {
-            "tokens": tokens,
-            "logits": torch.stack(all_logits),
-            "calls": spy.calls,
-            "entries": entries,
-            "triton": spy.triton,
-            "seconds": time.monotonic() - t0,
-        }
-        torch.save(result, job["out"])
+    result = {
+        "rank": tp_rank,
+        "tokens": tokens,
+        "logits": torch.stack(all_logits),
+        "calls": spy.calls,
+        "entries": entries,
+        "routes": spy.routes(),
+        "triton": spy.triton,
+        "seconds": time.monotonic() - t0,
+    }
+    torch.save(result, f"{job['out']}.rank{tp_rank}")
+
+
+class RankDied(Exception):
+    pass
+
+
+class RankProcess(multiprocessing.Process):
+    """A multiprocessing.Process for one_batch's rank loop whose join() watches its siblings:
+    when one rank exits with an error (or the run passes `timeout`), every rank is killed and
+    RankDied names the rank, where one_batch's plain join() would wait for ever on a rank
+    blocked in a gloo collective that its dead peer never joins. Module level: the ranks are
+    spawned, and the process object is pickled."""
+
+    started: list = []
+    timeout = 900.0
+    deadline = float("inf")
+
+    def start(self):
+        super().start()
+        RankProcess.started.append(self)
+
+    def join(self, timeout=None):
+        started = RankProcess.started
+        while self.is_alive():
+            dead = [(r, p.exitcode) for r, p in enumerate(started) if p.exitcode]
+            late = time.monotonic() > RankProcess.deadline
+            if dead or late:
+                for p in started:
+                    if p.is_alive():
+                        p.kill()
+                        multiprocessing.Process.join(p)
+                if dead:
+                    rank, code = dead[0]
+                    how = f"signal {-code}" if code < 0 else f"exit {code}"
+                    raise RankDied(f"TP rank {rank} died ({how}); the other ranks were killed")
+                limit = RankProcess.timeout
+                raise RankDied(f"the TP ranks did not finish in {limit:.0f} s; killed")
+            super().join(0.5)
+        if self.exitcode:
+            raise RankDied(f"TP rank {started.index(self)} died (exit {self.exitcode})")
+
+
+def _perturb(model, part: str) -> None:
+    """Add noise (half the weight's std, seeded) to the first parameter whose name contains
+    `part`: an error in sglang's path that the reference does not share."""
+    import torch
+
+    for name, param in model.named_parameters():
+        if part in name:
+            gen = torch.Generator().manual_seed(0)
+            noise = torch.randn(param.shape, generator=gen) * param.float().std() * 0.5
+            with torch.no_grad():
+                param.add_(noise.to(param.dtype))
+            print(f"dsv4_check: perturbed {name}", flush=True)
+            return
+    raise ValueError(f"--perturb {part!r}: no parameter name contains it")
 
 
 def worker(args: argparse.Namespace) -> int:
-    """One backend's run, through one_batch's main() (which resolves the server args)."""
+    """One backend's run, through one_batch's main() (which resolves the server args and, at
+    TP > 1, starts one process per rank)."""
+    import types
+
     from sglang.benchmark import one_batch as ob
     from sglang.srt.server_args import ServerArgs
 
@@ -416,8 +542,14 @@ def worker(args: argparse.Namespace) -> int:
             "forced": json.loads(args.forced) if args.forced else None,
             "steps": args.steps,
             "out": args.out,
+            "kill_rank": args.kill_rank,
+            "perturb": args.perturb,
         }
     )
+    if args.tp > 1:
+        RankProcess.timeout = args.timeout
+        RankProcess.deadline = time.monotonic() + args.timeout
+        ob.multiprocessing = types.SimpleNamespace(Process=RankProcess)
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     ob.BenchArgs.add_cli_args(parser)
@@ -428,48 +560,147 @@ def worker(args: argparse.Namespace) -> int:
             "--max-total-tokens", "8192",
             "--swa-full-tokens-ratio", "0.5", "--max-running-requests", "4",
             "--batch-size", "1", "--correctness-test", "--log-level", "warning",
+            "--tp-size", str(args.tp),
         ]
     )  # fmt: skip
     ob.correctness_test = _rank  # main() resolves the server args, then calls this
-    ob.main(ServerArgs.from_cli_args(cli), ob.BenchArgs.from_cli_args(cli))
+    try:
+        ob.main(ServerArgs.from_cli_args(cli), ob.BenchArgs.from_cli_args(cli))
+    except RankDied as err:
+        print(f"dsv4_check: {err}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
-def run_backend(backend: str, model: Path, ids, steps, forced, out: Path, timeout: float):
+def threads_bind(tp: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `tp` ranks on this process's CPUs: contiguous groups,
+    one per rank ("0|1" for two ranks on two cores). sglang's CPU thread binding otherwise
+    asserts one NUMA node per rank (srt/utils/numa_utils.py), which one-node machines fail."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise BadInput(f"--tp {tp}: this process may run on {len(cpus)} CPU(s), fewer than ranks")
+    size = len(cpus) // tp
+    groups = [cpus[r * size : (r + 1) * size] for r in range(tp)]
+    return "|".join(str(g[0]) if len(g) == 1 else ",".join(str(c) for c in g) for g in groups)
+
+
+def run_backend(
+    backend: str,
+    model: Path,
+    ids,
+    steps,
+    forced,
+    out: Path,
+    timeout: float,
+    tp: int = 1,
+    kill_rank: int | None = None,
+    perturb: str | None = None,
+) -> list[dict]:
+    """One backend's run at TP `tp` in a fresh process (and its ranks' processes): each rank's
+    result, rank 0 first. The whole process group is killed on a timeout or a failure."""
+    import signal
+
     env = {**os.environ, **CPU_ENV, "SGLANG_SM120_FLASHMLA_BACKEND": backend}
+    if tp > 1 and not env.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = threads_bind(tp)
     cmd = [
         sys.executable, __file__, "--worker", "--model", str(model), "--steps", str(steps),
-        "--prompt-ids", json.dumps(ids), "--out", str(out),
+        "--prompt-ids", json.dumps(ids), "--out", str(out), "--tp", str(tp),
+        "--timeout", str(timeout),
     ]  # fmt: skip
     if forced is not None:
         cmd += ["--forced", json.dumps(forced)]
+    if kill_rank is not None:
+        cmd += ["--kill-rank", str(kill_rank)]
+    if perturb:
+        cmd += ["--perturb", perturb]
+    name = backend if tp == 1 else f"{backend} TP{tp}"
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-        raise RuntimeError(f"the {backend} run failed (exit {proc.returncode}):\n{tail}")
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout + 30)  # the worker's own watch comes first
+    except subprocess.TimeoutExpired:
+        output = ""
+        proc.returncode = None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the ranks, whatever state they are in
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    paths = [Path(f"{out}.rank{r}") for r in range(tp)]
+    if proc.returncode is None:
+        raise RuntimeError(f"the {name} run did not finish in {timeout + 30:.0f} s; killed")
+    if proc.returncode != 0 or not all(p.exists() for p in paths):
+        tail = "\n".join(output.strip().splitlines()[-25:])
+        raise RuntimeError(f"the {name} run failed (exit {proc.returncode}):\n{tail}")
     import torch
 
-    res = torch.load(out, weights_only=False)
-    res["wall"] = time.monotonic() - t0
-    return res
+    ranks = [torch.load(p, weights_only=False) for p in paths]
+    for res in ranks:
+        res["wall"] = time.monotonic() - t0
+    return ranks
 
 
 # --- transformers' DSV4 --------------------------------------------------------------------
 
 
 def transformers_logits(
-    model: Path, tokens: list[int], positions: range, fp8_kv: bool, entries: dict | None = None
-):
+    model: Path, tokens: list[int], positions: range, fp8_kv: bool, entries: dict | None = None,
+    routes: dict | None = None, force: set | None = None, flips: list | None = None,
+):  # fmt: skip
     """Logits at `positions` of transformers' DSV4 on `tokens`, float32; with fp8_kv the
     attention's KV nope part is quantized to FP8 e4m3 with UE8M0 tile scales, as sglang's pool
     stores it (the rope part stays bf16-exact in float32 here). With `entries` (a dict), each
-    compressing layer's compressed entries land there, keyed as KernelSpy.entries keys them."""
+    compressing layer's compressed entries land there, keyed as KernelSpy.entries keys them.
+
+    With `routes` (sglang's expert choice, {layer: [tokens, k]}), every top-k router's own
+    choice is compared with sglang's: each (layer, token) where they differ is appended to
+    `flips` with transformers' margin for its pick (how much higher transformers scores the
+    experts it picked than the ones sglang picked instead); for the (layer, token) pairs in
+    `force`, transformers takes sglang's experts, weighted by its own scores as its router
+    weights any choice."""
     import torch
     from transformers import DeepseekV4ForCausalLM
 
     hf = DeepseekV4ForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     hooks = []
+    if routes is not None:
+        for i, layer in enumerate(hf.model.layers):
+            gate = layer.mlp.gate
+            if i not in routes or getattr(layer.mlp, "is_hash", False):
+                continue  # a hash layer's choice is the token id's, on both sides
+
+            def route(m, args, out, i=i):
+                logits, weights, idx = out
+                scores = m.score_fn(logits)
+                ranked = scores + m.e_score_correction_bias
+                sg = routes[i][: idx.shape[0]]
+                idx = idx.clone()
+                for t in range(idx.shape[0]):
+                    mine = set(idx[t].tolist())
+                    theirs = {e for e in sg[t].tolist() if e < m.num_experts}  # no shared slot
+                    if mine == theirs:
+                        continue
+                    margin = (
+                        ranked[t, sorted(mine - theirs)].min()
+                        - ranked[t, sorted(theirs - mine)].max()
+                    ).item()
+                    if flips is not None:
+                        flips.append({"layer": i, "token": t, "hf": sorted(mine),
+                                      "sglang": sorted(theirs), "margin": margin})  # fmt: skip
+                    if force and (i, t) in force:
+                        idx[t] = torch.tensor(sorted(theirs))
+                if not force:
+                    return None
+                w = scores.gather(1, idx)
+                w = w / (w.sum(-1, keepdim=True) + 1e-20) * m.routed_scaling_factor
+                return logits, w, idx
+
+            hooks.append(gate.register_forward_hook(route))
     if fp8_kv:
         quant = _fp8_round_trip
         for layer in hf.model.layers:
@@ -562,8 +793,12 @@ def _margin(logits) -> float:
     return (top[0] - top[1]).item()
 
 
-def report(runs: dict, hf: dict, steps: int, layers: int) -> tuple[list[str], list[str]]:
-    """(table lines, failures)."""
+def report(
+    ranked: dict, hf: dict, steps: int, layers: int, heads: int, tp: int = 1, tp1=None
+) -> tuple[list[str], list[str]]:
+    """(table lines, failures). `ranked`: each backend's per-rank results; `tp1`: at TP > 1,
+    the mma run at TP1 that the TP run must equal."""
+    runs = {name: ranks[0] for name, ranks in ranked.items()}
     mma, torch_run = runs["mma"], runs["torch"]
     failures: list[str] = []
     ties: list[str] = []
@@ -607,27 +842,69 @@ def report(runs: dict, hf: dict, steps: int, layers: int) -> tuple[list[str], li
         if mh["cos"] < HF_MIN_COS:
             failures.append(f"step {i}: mma vs transformers (fp8 kv) cos {mh['cos']:.5f} < "
                             f"{HF_MIN_COS}")  # fmt: skip
-    for name, run in runs.items():
-        want = layers * (steps + 1)
-        if len(run["calls"]) != want:
-            failures.append(f"{name}: {len(run['calls'])} kernel calls, expected {want} "
-                            f"({layers} layers x {steps + 1} forwards)")  # fmt: skip
-        for c in run["calls"]:
-            if c["failed"]:
-                failures.append(f"{name}: layer {c['layer']} call ({c['rows']} rows): "
-                                + ", ".join(c["failed"]))  # fmt: skip
-        worst = max((c["max_err"] for c in run["calls"]), default=0.0)
-        kernels = ", ".join(
-            f"{k.rsplit('.', 1)[-1]} x{v}" for k, v in sorted(run["triton"].items())
-        )
-        lines.append(f"{name}: Triton kernels run (interpreter): {kernels or 'none'}")
-        lines.append(
-            f"{name}: {len(run['calls'])} kernel calls (expected {layers * (steps + 1)}), "
-            f"worst |out - torch reference| {worst:.3g}, run {run['seconds']:.1f} s "
-            f"({run['wall']:.1f} s with load)"
-        )
+    if tp1 is not None:
+        more, bad, more_ties = compare_tp1(mma, tp1, steps, tp)
+        lines += more
+        failures += bad
+        ties += more_ties
+    native = heads // tp
+    for backend, ranks in ranked.items():
+        for run in ranks:
+            name = backend if tp == 1 else f"{backend} rank {run['rank']}"
+            want = layers * (steps + 1)
+            if len(run["calls"]) != want:
+                failures.append(f"{name}: {len(run['calls'])} kernel calls, expected {want} "
+                                f"({layers} layers x {steps + 1} forwards)")  # fmt: skip
+            for c in run["calls"]:
+                if c["failed"]:
+                    failures.append(f"{name}: layer {c['layer']} call ({c['rows']} rows): "
+                                    + ", ".join(c["failed"]))  # fmt: skip
+            got_heads = sorted({c["heads"] for c in run["calls"]})
+            # Patch 0005: the mma backend gets the rank's own heads (upstream pads to 64).
+            if backend == "mma" and got_heads != [native]:
+                failures.append(f"{name}: the kernel received {got_heads} query heads, expected "
+                                f"the rank's native {native} ({heads} / TP{tp})")  # fmt: skip
+            if run["tokens"] != mma["tokens"] and backend == "mma":
+                failures.append(f"{name}: greedy tokens {run['tokens']} differ from rank 0's "
+                                f"{mma['tokens']}")  # fmt: skip
+            worst = max((c["max_err"] for c in run["calls"]), default=0.0)
+            kernels = ", ".join(
+                f"{k.rsplit('.', 1)[-1]} x{v}" for k, v in sorted(run["triton"].items())
+            )
+            lines.append(f"{name}: Triton kernels run (interpreter): {kernels or 'none'}")
+            lines.append(
+                f"{name}: {len(run['calls'])} kernel calls (expected {want}), query heads "
+                f"{'/'.join(map(str, got_heads))} of {heads}, worst |out - torch reference| "
+                f"{worst:.3g}, run {run['seconds']:.1f} s ({run['wall']:.1f} s with load)"
+            )
     lines += [f"near-tie, not counted: {t}" for t in ties]
     return lines, failures
+
+
+def compare_tp1(run: dict, tp1: dict, steps: int, tp: int):
+    """The TP run's logits and greedy tokens against the TP1 run's (which fed both the same
+    tokens): within the kernel's tolerance (the mma-vs-torch limits; TP adds only the
+    all-reduce's order of bf16 sums). (lines, failures, near-ties)."""
+    lines = [f"step  tok TP{tp}  tok TP1 | TP{tp}-TP1 max_abs  /std    cos"]
+    failures, ties = [], []
+    for i in range(steps + 1):
+        c = compare(run["logits"][i], tp1["logits"][i])
+        rel = c["max_abs"] / tp1["logits"][i].float().std().item()
+        lines.append(f"{i:>4}  {run['tokens'][i]:>7}  {tp1['tokens'][i]:>7} | "
+                     f"{c['max_abs']:>16.4g}  {rel:.4f}  {c['cos']:.6f}")  # fmt: skip
+        if c["cos"] < MMA_TORCH_MIN_COS or rel > MMA_TORCH_MAX_REL:
+            failures.append(f"step {i}: TP{tp} vs TP1 logits cos {c['cos']:.6f}, max abs "
+                            f"{rel:.4f} of their std (limits {MMA_TORCH_MIN_COS}, "
+                            f"{MMA_TORCH_MAX_REL})")  # fmt: skip
+        if run["tokens"][i] != tp1["tokens"][i]:
+            margin = _margin(tp1["logits"][i])
+            msg = (f"step {i}: greedy token TP{tp} {run['tokens'][i]} != TP1 "
+                   f"{tp1['tokens'][i]}, whose lead is {margin:.4g}")  # fmt: skip
+            if margin > 2 * c["max_abs"]:
+                failures.append(f"{msg} (> 2 x {c['max_abs']:.4g})")
+            else:
+                ties.append(f"{msg}: a tie (<= 2 x max abs diff {c['max_abs']:.4g})")
+    return lines, failures, ties
 
 
 def parse(argv) -> argparse.Namespace:
@@ -652,6 +929,14 @@ def parse(argv) -> argparse.Namespace:
         "model with a c128 layer, so that the decode steps close a c128 window at 256)",
     )
     p.add_argument("--steps", type=int, default=6, help="decode steps (default: 6)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (gloo, one process each); above 1 the mma run at TP1 is "
+        "the reference the TP run's logits and tokens must equal (default: 1). Each rank gets "
+        "its CPUs from SGLANG_CPU_OMP_THREADS_BIND, or this process's CPUs split evenly",
+    )
     p.add_argument("--seed", type=int, default=1, help="prompt seed (default: 1)")
     p.add_argument(
         "--timeout", type=float, default=900, help="seconds for each backend's run (default: 900)"
@@ -660,10 +945,14 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     p.add_argument("--forced", help=argparse.SUPPRESS)
+    p.add_argument("--kill-rank", type=int, help=argparse.SUPPRESS)  # fault injection
+    p.add_argument("--perturb", help=argparse.SUPPRESS)  # fault injection
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)  # fmt: skip
     if (args.prompt_len is not None and args.prompt_len < 2) or args.steps < 1:
         p.error("--prompt-len must be >= 2 and --steps >= 1")
+    if args.tp < 1:
+        p.error("--tp must be >= 1")
     return args
 
 
@@ -682,33 +971,65 @@ def main(argv=None) -> int:
         return _fail(str(err))
     if args.prompt_len is None:
         args.prompt_len = 252 if 128 in cfg["compress_ratios"] else 160
+    heads = cfg["num_attention_heads"]
+    if heads % args.tp:
+        return _fail(f"--tp {args.tp}: the model's {heads} query heads do not split evenly")
     ids = prompt_ids(cfg, args.prompt_len, args.seed)
     layers = len(cfg["compress_ratios"])
     print(f"dsv4_check: {model.name}: layers {cfg['compress_ratios']}, "
-          f"{cfg['num_attention_heads']} heads, prompt {len(ids)} tokens, {args.steps} decode "
-          "steps", flush=True)  # fmt: skip
-    runs = {}
+          f"{heads} heads, prompt {len(ids)} tokens, {args.steps} decode steps"
+          + (f", TP{args.tp}" if args.tp > 1 else ""), flush=True)  # fmt: skip
+    ranked: dict = {}
+    tp1 = None
+    # At TP > 1 the mma run at TP1 goes first: the TP runs are fed its greedy tokens.
+    plan = ([("mma", 1)] if args.tp > 1 else []) + [(b, args.tp) for b in BACKENDS]
     with tempfile.TemporaryDirectory(prefix="dsv4_check.") as tmp:
-        for backend in BACKENDS:
-            forced = None if backend == "mma" else runs["mma"]["tokens"][: args.steps]
-            print(f"dsv4_check: sglang with the {backend} backend ...", flush=True)
+        for backend, tp in plan:
+            lead = tp1 or ranked.get("mma", [None])[0]
+            forced = None if lead is None else lead["tokens"][: args.steps]
+            where = f" at TP{tp}" if args.tp > 1 else ""
+            print(f"dsv4_check: sglang with the {backend} backend{where} ...", flush=True)
             try:
-                runs[backend] = run_backend(
-                    backend, model, ids, args.steps, forced, Path(tmp) / f"{backend}.pt",
-                    args.timeout,
+                got = run_backend(
+                    backend, model, ids, args.steps, forced,
+                    Path(tmp) / f"{backend}-tp{tp}.pt", args.timeout, tp=tp,
+                    kill_rank=args.kill_rank, perturb=args.perturb,
                 )  # fmt: skip
-            except (RuntimeError, subprocess.TimeoutExpired) as err:
+            except (RuntimeError, BadInput) as err:
                 print(f"dsv4_check: {err}", file=sys.stderr)
                 return 1
+            if tp == args.tp:
+                ranked[backend] = got
+            else:
+                tp1 = got[0]
+    runs = {name: ranks[0] for name, ranks in ranked.items()}
     print("dsv4_check: transformers' DSV4 (float32) ...", flush=True)
-    tokens = ids + runs["mma"]["tokens"][: args.steps]
+    tokens = ids + (tp1 or runs["mma"])["tokens"][: args.steps]
     at = range(len(ids) - 1, len(ids) + args.steps)
+    routes, forced, wide = None, [], []
+    if cfg.get("num_experts_per_tok", 0) < cfg.get("n_routed_experts", 0):
+        # Top-k routing: where sglang's and transformers' routers are near-tied, the reference
+        # follows sglang's choice, so that the comparisons below measure attention and the
+        # compressors, not which side of a tie bf16 landed on.
+        routes = runs["mma"]["routes"]
+        forced, wide = aligned_routing(model, tokens, routes, at)
+    force = {(f["layer"], f["token"]) for f in forced}
     hf_entries: dict = {}
     hf = {
-        "fp8": transformers_logits(model, tokens, at, fp8_kv=True),
-        "fp32": transformers_logits(model, tokens, at, fp8_kv=False, entries=hf_entries),
-    }
-    lines, failures = report(runs, hf, args.steps, layers)
+        "fp8": transformers_logits(model, tokens, at, fp8_kv=True, routes=routes, force=force),
+        "fp32": transformers_logits(model, tokens, at, fp8_kv=False, entries=hf_entries,
+                                    routes=routes, force=force),
+    }  # fmt: skip
+    lines, failures = report(ranked, hf, args.steps, layers, heads, args.tp, tp1)
+    for f in forced:
+        lines.append(f"router near-tie, the reference follows sglang: layer {f['layer']} token "
+                     f"{f['token']}: transformers picks experts {f['hf']}, sglang {f['sglang']}, "
+                     f"margin {f['margin']:.4g} <= {ROUTER_TIE_MAX}")  # fmt: skip
+    for f in wide:
+        failures.append(f"layer {f['layer']} token {f['token']}: sglang routes to experts "
+                        f"{f['sglang']}, transformers to {f['hf']} by a margin {f['margin']:.4g} "
+                        f"> {ROUTER_TIE_MAX}: the router's inputs differ (an error upstream of "
+                        "this layer's MoE)")  # fmt: skip
     if hf_entries:
         lines.append("compressed entries, mma run vs transformers' compressors:")
         for backend in BACKENDS:
@@ -725,6 +1046,13 @@ def main(argv=None) -> int:
                     "prompt_len": len(ids),
                     "prompt_ids": ids,
                     "steps": args.steps,
+                    "tp": args.tp,
+                    "tp1_tokens": tp1["tokens"] if tp1 else None,
+                    "router_ties": forced,
+                    "ranks": {
+                        k: [{f: r[f] for f in ("rank", "tokens", "calls", "triton")} for r in v]
+                        for k, v in ranked.items()
+                    },
                     "tokens": {k: v["tokens"] for k, v in runs.items()},
                     "calls": {k: v["calls"] for k, v in runs.items()},
                     "triton": {k: v["triton"] for k, v in runs.items()},

@@ -1,0 +1,130 @@
+"""CPU engines at TP > 1: patch 0026 (no PyNccl for a CPU device) and bench/dsv4_check --tp 2.
+
+sglang 0.5.23's `init_model_parallel_group` asks for PyNccl on every device but NPU/XPU. The
+torch installed here is a CUDA build whose libnccl loads, so PyNccl does not turn itself off as
+it does under a CPU torch, and `PyNcclCommunicator` on a CPU device raises: without the hook a
+CPU engine at TP 2 stops while it builds its groups. The first test builds sglang's real groups
+in two gloo processes and shows both halves: upstream's function still asks for PyNccl, the
+coordinator has none, an all-reduce goes through gloo, and PyNccl itself on the same group and
+device raises (so the test cannot pass without the hook while this torch is installed).
+
+The second runs bench/dsv4_check at TP 2 on the SWA model: every kernel call on every rank,
+the rank's native 4 of 8 heads reaching the mma kernel (patch 0005 on the real model), logits
+and greedy tokens against the TP1 run and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = ROOT / "bench" / "dsv4_check.py"
+sys.path.insert(0, str(ROOT))
+
+from launch.pdlib.stack import free_loopback_ports  # noqa: E402
+
+RANK = r"""
+import json, sys
+import torch
+from sglang.srt.distributed import parallel_state as ps
+
+asked = []
+init = ps.GroupCoordinator.__init__
+def spied(self, *args, **kwargs):
+    asked.append(kwargs.get("use_pynccl"))
+    init(self, *args, **kwargs)
+ps.GroupCoordinator.__init__ = spied
+
+method, rank = sys.argv[1], int(sys.argv[2])
+ps.init_distributed_environment(
+    world_size=2, rank=rank, distributed_init_method=method, local_rank=rank, backend="gloo")
+tp = ps.init_model_parallel_group([[0, 1]], rank, "gloo", group_name="tp")
+total = tp.all_reduce(torch.tensor([float(rank + 1)]))
+try:
+    from sglang.srt.distributed.device_communicators.pynccl import PyNcclCommunicator
+    comm = PyNcclCommunicator(group=tp.cpu_group, device=tp.device)
+    pynccl = "available" if not comm.disabled else "disabled"
+except Exception as exc:
+    pynccl = f"raises {type(exc).__name__}: {exc}"
+print(json.dumps({"asked": asked[-1], "device": str(tp.device), "use_pynccl": tp.use_pynccl,
+                  "comm": tp.pynccl_comm is None, "sum": total.item(), "pynccl": pynccl}))
+"""
+
+
+def test_a_cpu_tp_group_has_no_pynccl_and_all_reduces_over_gloo():
+    (port,) = free_loopback_ports(1)
+    method = f"tcp://127.0.0.1:{port}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, method, str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    for rank in got:
+        assert rank["asked"] is True  # upstream's init_model_parallel_group asks for PyNccl
+        assert rank["device"] == "cpu"
+        assert rank["use_pynccl"] is False and rank["comm"] is True
+        assert rank["sum"] == 3.0
+        # What the hook avoids: PyNccl on this CPU group, with this torch, raises.
+        assert rank["pynccl"].startswith("raises"), rank["pynccl"]
+
+
+def test_dsv4_check_at_tp2_equals_tp1_on_every_rank(swa_model, tmp_path):
+    out = tmp_path / "tp2.json"
+    proc = subprocess.run(
+        [sys.executable, str(CHECK), "--model", str(swa_model), "--tp", "2", "--steps", "3",
+         "--timeout", "600", "--json", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["tp"] == 2 and got["failures"] == []
+    layers = len(json.loads((swa_model / "config.json").read_text())["compress_ratios"])
+    for backend in ("mma", "torch"):
+        ranks = got["ranks"][backend]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        for r in ranks:
+            assert len(r["calls"]) == layers * (got["steps"] + 1)
+            assert all(not c["failed"] for c in r["calls"])
+            assert r["tokens"] == got["tp1_tokens"]
+    # Patch 0005 on the real model: the mma kernel gets the rank's 4 of 8 heads; upstream's
+    # torch backend gets them padded to 64.
+    assert {c["heads"] for r in got["ranks"]["mma"] for c in r["calls"]} == {4}
+    assert {c["heads"] for r in got["ranks"]["torch"] for c in r["calls"]} == {64}
+    assert "TP2-TP1 max_abs" in proc.stdout
+
+
+def test_a_dead_rank_ends_the_run_naming_it_and_leaves_no_process(swa_model):
+    """Rank 1 exits before it joins the model's groups; rank 0 would block in gloo for ever."""
+    before = {p.pid for p in psutil.process_iter()}
+    proc = subprocess.run(
+        [sys.executable, str(CHECK), "--model", str(swa_model), "--tp", "2", "--steps", "1",
+         "--timeout", "120", "--kill-rank", "1"],
+        capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "TP rank 1 died (exit 3)" in proc.stderr, proc.stderr[-3000:]
+    left = [
+        p.pid
+        for p in psutil.process_iter()
+        if p.pid not in before and str(CHECK) in " ".join(p.cmdline() or [])
+    ]
+    assert left == []
