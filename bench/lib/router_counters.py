@@ -15,8 +15,6 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 # What is recorded, and the smg counters each one sums (names as smg 1.13.0 exports them).
 # smg exports the overload, retry and breaker families from its start; the admission and error
 # families appear with their first event, so an absent family reads as 0.
@@ -64,6 +62,9 @@ class CountersError(RuntimeError):
 
 def read(text: str) -> dict[str, float]:
     """The recorded counts from one scrape of smg's /metrics (ValueError: not Prometheus text)."""
+    # Imported here: bench/report renders summaries without it (and without the venv).
+    from prometheus_client.parser import text_string_to_metric_families
+
     totals: dict[str, float] = {}
     families = {}
     for family in text_string_to_metric_families(text):
