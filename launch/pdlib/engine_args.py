@@ -120,7 +120,8 @@ def refusals(argv: list[str], table: list[dict]) -> list[tuple[str, str]]:
             if flag is None or flag not in rest:
                 break
             at = _refused_at(rest, flag, message)
-            del rest[at : at + 2 if at + 1 < len(rest) and not rest[at + 1].startswith("-") else 1]
+            takes_value = at + 1 < len(rest) and not rest[at + 1].startswith("-")
+            del rest[at : at + (2 if takes_value else 1)]
     return found
 
 

@@ -269,7 +269,7 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             "critical",
             f"A prefill room holds its KV past the inflight timeout. Run: {verify}; then {triage}",
             "{{ $labels.pd_instance }}'s oldest room in the inflight queue (its KV sent or "
-            "being sent, waiting for decode to conclude) has waited {{ printf \"%.0f\" $value }} s"
+            'being sent, waiting for decode to conclude) has waited {{ printf "%.0f" $value }} s'
             + (
                 f": longer than monitoring's --queue-after ({_d(w.inflight)})."
                 if w.queue_given
@@ -288,7 +288,7 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             f"A decode room waits for its KV past the waiting timeout. Run: {verify}; then "
             f"{triage}",
             "{{ $labels.pd_instance }}'s oldest room in the transfer queue has waited "
-            "{{ printf \"%.0f\" $value }} s for its KV: longer than "
+            '{{ printf "%.0f" $value }} s for its KV: longer than '
             + (
                 f"monitoring's --queue-after ({_d(w.transfer)})."
                 if w.queue_given
@@ -306,7 +306,7 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             f"A decode room waits to be admitted while decode runs no step. Run: {verify}; then "
             f"{triage}",
             "{{ $labels.pd_instance }}'s oldest room in the prealloc queue has waited "
-            "{{ printf \"%.0f\" $value }} s to bootstrap or for KV space, longer than "
+            '{{ printf "%.0f" $value }} s to bootstrap or for KV space, longer than '
             + (
                 f"monitoring's --queue-after ({_d(w.prealloc)})"
                 if w.queue_given

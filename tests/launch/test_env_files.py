@@ -189,6 +189,17 @@ def test_env_check_refuses_engine_flags_sglang_refuses_naming_file_variable_and_
     assert "--disaggregation-transfer-backend" in backend and "'nixxl'" in backend
 
 
+def test_a_misspelt_flag_without_a_value_at_the_end_of_the_line_is_named_once(env_dir):
+    """argparse stops at the first refusal, so each refused flag is taken out and the line
+    parsed again: a flag with no value after it, not first on the line, must go alone."""
+    set_values(env_dir / "decode.env", DECODE_ARGS='"--mem-fraction-static 0.85 --enable-metrix"')
+    done = env_check(env_dir)
+    assert done.returncode == 1, done.stdout
+    fails = [ln for ln in done.stdout.splitlines() if ln.startswith("FAIL")]
+    assert len(fails) == 1, done.stdout
+    assert "--enable-metrix" in fails[0] and "DECODE_ARGS" in fails[0]
+
+
 def test_env_check_traces_a_refused_flag_to_the_variable_that_built_it(env_dir):
     set_values(env_dir / "common.env", TRANSFER_BACKEND="nixxl")
     done = env_check(env_dir)
