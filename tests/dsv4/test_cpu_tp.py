@@ -105,10 +105,11 @@ def test_dsv4_check_at_tp2_equals_tp1_on_every_rank(swa_model, tmp_path):
             assert len(r["calls"]) == layers * (got["steps"] + 1)
             assert all(not c["failed"] for c in r["calls"])
             assert r["tokens"] == got["tp1_tokens"]
-    # Patch 0005 on the real model: the mma kernel gets the rank's 4 of 8 heads; upstream's
-    # torch backend gets them padded to 64.
+    # Patch 0005 on the real model: the mma kernel gets the rank's 4 of 8 heads in every call;
+    # upstream's torch backend gets its decode calls padded to 64 (its prefill calls keep 4).
     assert {c["heads"] for r in got["ranks"]["mma"] for c in r["calls"]} == {4}
-    assert {c["heads"] for r in got["ranks"]["torch"] for c in r["calls"]} == {64}
+    torch_heads = {c["heads"] for r in got["ranks"]["torch"] for c in r["calls"]}
+    assert 64 in torch_heads and torch_heads <= {4, 64}, torch_heads
     assert "TP2-TP1 max_abs" in proc.stdout
 
 
