@@ -225,9 +225,10 @@ UPSTREAM_CHECKED = {
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "a positive whole number of seconds",
 }
 # Variables upstream reads with os.getenv outside its env registry, so the registry check
-# would call them typos: SGLANG_USE_CPU_ENGINE (srt/utils/common.py is_cpu) and SGLANG_HOST_IP
-# (srt/utils/network.py, the address the PD bootstrap advertises).
-UPSTREAM_UNREGISTERED = {"SGLANG_USE_CPU_ENGINE", "SGLANG_HOST_IP"}
+# would call them typos: SGLANG_USE_CPU_ENGINE (srt/utils/common.py is_cpu), SGLANG_HOST_IP
+# (srt/utils/network.py, the address the PD bootstrap advertises) and
+# SGLANG_CPU_OMP_THREADS_BIND (srt/utils/numa_utils.py: each CPU TP rank's cores, `0|1`).
+UPSTREAM_UNREGISTERED = {"SGLANG_USE_CPU_ENGINE", "SGLANG_HOST_IP", "SGLANG_CPU_OMP_THREADS_BIND"}
 # Launch settings whose form is fixed by the program they are passed to (smg takes whole
 # seconds, and a bare host for --prometheus-host); checked with the knobs so a bad one is
 # refused before a launch too.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 from launch_harness import ROOT, SECRET, processes_using, run_pd, set_values
 
@@ -187,6 +189,20 @@ def test_env_check_refuses_engine_flags_sglang_refuses_naming_file_variable_and_
         assert "decode.env:" in line and "DECODE_ARGS" in line
     assert "--mem-fraction-statc" in statc and "unrecognized arguments" in statc
     assert "--disaggregation-transfer-backend" in backend and "'nixxl'" in backend
+
+
+def test_the_cpu_tp_thread_binding_that_upstream_reads_outside_its_registry_is_known(env_dir):
+    """sglang's numa_utils reads SGLANG_CPU_OMP_THREADS_BIND with os.environ (a CPU engine at
+    TP > 1 on one NUMA node needs it), so the registry alone would call it a typo."""
+    sglang_dir = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+    numa_utils = (sglang_dir / "srt" / "utils" / "numa_utils.py").read_text()
+    assert 'os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"' in numa_utils
+    set_values(env_dir / "decode.env", SGLANG_CPU_OMP_THREADS_BIND='"0|1"')
+    done = env_check(env_dir)
+    assert done.returncode == 0, done.stdout
+    set_values(env_dir / "decode.env", SGLANG_CPU_OMP_THREADS_BIN='"0|1"')
+    typo = env_check(env_dir)
+    assert typo.returncode == 1 and "SGLANG_CPU_OMP_THREADS_BIN is not a knob" in typo.stdout
 
 
 def test_a_misspelt_flag_without_a_value_at_the_end_of_the_line_is_named_once(env_dir):
