@@ -33,7 +33,7 @@ import yaml
 
 from launch.pdlib import maintenance, rotation
 from launch.pdlib.files import write_whole
-from launch.pdlib.stack import ROOT, Stack
+from launch.pdlib.stack import ROOT, Stack, router_metrics_host
 
 ROLE_KINDS = ("prefill", "decode", "router")
 # Where ./build.sh test unpacks Debian's prometheus package; else the tools on PATH.
@@ -163,9 +163,15 @@ def job(stack: Stack, kind: str) -> str:
     return f"{stack.unit_prefix}-{kind}"
 
 
+def host_port(host: str, port: int) -> str:
+    """A scrape target's address: an IPv6 literal in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def targets(stack: Stack) -> dict[str, list[dict]]:
     """file_sd entries per role, from the same instances and URLs as the router's worker list:
-    each engine instance's HTTP port (where sglang serves /metrics), the router's metrics port.
+    each engine instance's HTTP port (where sglang serves /metrics), the router's metrics port
+    where a client reaches it (ROUTER_PROMETHEUS_HOST when set).
     Labels: pd_instance (prefill, decode/2, router), pd_role, stack, and for an engine the
     `worker` URL smg labels its own series with."""
     out: dict[str, list[dict]] = {}
@@ -174,11 +180,13 @@ def targets(stack: Stack) -> dict[str, list[dict]]:
         for role in stack.of_kind(kind):
             labels = {"pd_instance": role.name, "pd_role": kind, "stack": stack.unit_prefix}
             if kind == "router":
-                port = int(stack.env.role_env("router")["ROUTER_PROMETHEUS_PORT"])
+                values = stack.env.role_env("router")
+                host = router_metrics_host(values)
+                port = int(values["ROUTER_PROMETHEUS_PORT"])
             else:
-                port = role.port
+                host, port = role.host, role.port
                 labels["worker"] = rotation.worker_entry(role)["url"]
-            out[kind].append({"targets": [f"{role.host}:{port}"], "labels": labels})
+            out[kind].append({"targets": [host_port(host, port)], "labels": labels})
     return out
 
 

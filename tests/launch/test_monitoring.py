@@ -232,6 +232,32 @@ def test_the_window_options_reach_the_rules(marked_env: Path, tmp_path: Path):
         assert bad.returncode == 2 and f"{option} must be positive" in bad.stderr
 
 
+def test_the_router_target_is_where_smg_serves_its_metrics_and_ipv6_is_bracketed(
+    tmp_path: Path,
+):
+    """smg's Prometheus endpoint listens on ROUTER_PROMETHEUS_HOST when it is set
+    (launch/router.sh passes it as --prometheus-host), so that is where Prometheus must scrape;
+    an IPv6 literal goes in brackets, as Prometheus's target syntax (host:port) needs."""
+    env = tmp_path / "env"
+    shutil.copytree(ROOT / "env" / "cpu", env)
+    with (env / "router.env").open("a") as f:
+        f.write("ROUTER_PROMETHEUS_HOST=127.0.0.2\n")
+    out = tmp_path / "out"
+    done = run_pd("monitoring", "--env-dir", str(env), "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    argv = subprocess.run(
+        ["bash", str(ROOT / "launch" / "router.sh"), "--env-dir", str(env), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert "--prometheus-host 127.0.0.2" in argv, argv
+    router = json.loads((out / "targets" / "router.json").read_text())
+    assert router[0]["targets"] == ["127.0.0.2:31090"]
+    assert monitoring.host_port("::1", 31001) == "[::1]:31001"
+    assert monitoring.host_port("127.0.0.1", 31001) == "127.0.0.1:31001"
+
+
 def test_targets_follow_the_topology_of_several_instances(tmp_path: Path):
     """xPyD: one target per instance, at the URL the router's worker list gives it."""
     env = tmp_path / "env"
