@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import subprocess
 from importlib import metadata
 from pathlib import Path
 
+from launch.pdlib import argv_refusals
 from launch.pdlib.files import write_whole
 
 LAUNCH_DIR = Path(__file__).resolve().parents[1]
@@ -101,48 +101,9 @@ def parser_from_table(table: list[dict]) -> argparse.ArgumentParser:
 
 
 def refusals(argv: list[str], table: list[dict]) -> list[tuple[str, str]]:
-    """[(flag, argparse's message)] for everything sglang's parser refuses in argv.
-
-    argparse stops at the first bad value, so each refused flag (and its value) is taken out and
-    the rest parsed again, until the line parses.
-    """
-    parser = parser_from_table(table)
-    rest = list(argv)
-    found = []
-    for _ in range(len(argv) + 1):
-        try:
-            parser.parse_args(rest)
-            break
-        except EngineArgsError as err:
-            message = str(err)
-            flag = _flag_in(message, rest)
-            found.append((flag, message))
-            if flag is None or flag not in rest:
-                break
-            at = _refused_at(rest, flag, message)
-            takes_value = at + 1 < len(rest) and not rest[at + 1].startswith("-")
-            del rest[at : at + (2 if takes_value else 1)]
+    """[(flag, argparse's message)] for everything sglang's parser refuses in argv."""
+    found, _ = argv_refusals.peel(parser_from_table(table).parse_args, argv, EngineArgsError)
     return found
-
-
-def _refused_at(argv: list[str], flag: str, message: str) -> int:
-    """Index of the refused occurrence of flag: the one whose value the message quotes."""
-    places = [i for i, word in enumerate(argv) if word == flag]
-    bad = re.search(r"invalid [\w ]+?: '([^']*)'", message)
-    for i in places:
-        if bad and i + 1 < len(argv) and argv[i + 1] == bad.group(1):
-            return i
-    return places[0]
-
-
-def _flag_in(message: str, argv: list[str]) -> str | None:
-    if message.startswith("unrecognized arguments:"):
-        words = message.split(":", 1)[1].split()
-        return next((w for w in words if w.startswith("-")), words[0] if words else None)
-    if message.startswith("argument "):
-        names = message[len("argument ") :].split(":", 1)[0].split("/")
-        return next((n for n in names if n in argv), names[0])
-    return None
 
 
 def engine_argv(env_dir: Path, role: str, index: int | None = None) -> list[str]:

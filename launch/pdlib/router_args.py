@@ -20,6 +20,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+try:
+    from launch.pdlib import argv_refusals
+except ImportError:  # run as a script under smg's Python: the file next to this one
+    import argv_refusals
+
 ROOT = Path(__file__).resolve().parents[2]
 # Where a router listens and its key: they differ between stacks by design, not by routing.
 NOT_ROUTING = frozenset({"host", "port", "prometheus_host", "prometheus_port", "api_key"})
@@ -45,53 +50,17 @@ def _parser():
     return parser, RouterArgs
 
 
-def _flag_in(message: str, argv: list[str]) -> str | None:
-    if message.startswith("unrecognized arguments:"):
-        words = message.split(":", 1)[1].split()
-        return next((w for w in words if w.startswith("-")), words[0] if words else None)
-    if message.startswith("argument "):
-        names = message[len("argument ") :].split(":", 1)[0].split("/")
-        return next((n for n in names if n in argv), names[0])
-    return None
-
-
-def _refused_at(argv: list[str], flag: str, message: str) -> int:
-    places = [i for i, word in enumerate(argv) if word == flag]
-    bad = re.search(r"invalid [\w ]+?: '([^']*)'", message)
-    for i in places:
-        if bad and i + 1 < len(argv) and argv[i + 1] == bad.group(1):
-            return i
-    return places[0]
-
-
 def smg_refusals(argv: list[str]) -> list[list[str | None]]:
-    """[[flag, message]] for everything smg's parser refuses in argv (run under smg's Python).
-
-    argparse stops at the first refusal, so each refused flag (and its value) is taken out and
-    the rest parsed again; a line that parses is then read back as smg does (from_cli_args).
-    """
+    """[[flag, message]] for everything smg's parser refuses in argv (run under smg's Python);
+    a line that parses is then read back as smg does (from_cli_args)."""
     parser, router_args = _parser()
-    rest = list(argv)
-    found: list[list[str | None]] = []
-    for _ in range(len(argv) + 1):
+    refused, namespace = argv_refusals.peel(parser.parse_args, argv, _Refused)
+    found: list[list[str | None]] = [list(r) for r in refused]
+    if not found and namespace is not None:
         try:
-            namespace = parser.parse_args(rest)
-        except _Refused as err:
-            message = str(err)
-            flag = _flag_in(message, rest)
-            found.append([flag, message])
-            if flag is None or flag not in rest:
-                break
-            at = _refused_at(rest, flag, message)
-            with_value = at + 1 < len(rest) and not rest[at + 1].startswith("-")
-            del rest[at : at + (2 if with_value else 1)]
-            continue
-        if not found:
-            try:
-                router_args.from_cli_args(namespace, use_router_prefix=False)
-            except Exception as exc:  # noqa: BLE001 - smg's own reading of the values failed
-                found.append([None, f"{type(exc).__name__}: {exc}"])
-        break
+            router_args.from_cli_args(namespace, use_router_prefix=False)
+        except Exception as exc:  # noqa: BLE001 - smg's own reading of the values failed
+            found.append([None, f"{type(exc).__name__}: {exc}"])
     return found
 
 

@@ -742,6 +742,16 @@ def kill_decode_mid_stream(stack: Stack, body: dict, kill_after: int, stream_s: 
 # ---- a real Prometheus on the stack ----------------------------------------------------------
 
 
+def end_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 class NodeExporter:
     """Debian's prometheus-node-exporter with its textfile collector alone, on a free loopback
     port, reading `textfile_dir`: where launch/pd writes its maintenance marks
@@ -776,12 +786,7 @@ class NodeExporter:
             return False
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        end_process(self.proc)
 
 
 class AlertWatch(threading.Thread):
@@ -908,9 +913,4 @@ class Prometheus:
         )
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        end_process(self.proc)
