@@ -63,7 +63,8 @@ def render(stack: Stack, marks: dict[str, float]) -> str:
     lines = [f"# HELP {METRIC} {HELP}", f"# TYPE {METRIC} gauge"]
     for name in sorted(marks):
         until = marks[name]
-        value = "+Inf" if math.isinf(until) else f"{until:.3f}"
+        # Rounded up to the millisecond: a mark never ends before the time it was set for.
+        value = "+Inf" if math.isinf(until) else f"{math.ceil(until * 1000) / 1000:.3f}"
         labels = f'stack="{_label(stack.unit_prefix)}",pd_instance="{_label(name)}"'
         lines.append(f"{METRIC}{{{labels}}} {value}")
     return "\n".join(lines) + "\n"
