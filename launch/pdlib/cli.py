@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from dataclasses import replace
@@ -115,10 +116,22 @@ def _models_refused(stack: Stack, out, verb: str) -> bool:
     return bool(refused)
 
 
-def cmd_up(args) -> int:
-    stack, sup, out = _context(args)
-    if _models_refused(stack, out, "up"):
-        return 2
+def _starts_engines(cmd):
+    """The start path of every verb that (re)starts engines: the stack is loaded and the env
+    files' models are checked (`_models_refused`, exit 2) before the verb touches anything."""
+
+    @functools.wraps(cmd)
+    def start(args) -> int:
+        stack, sup, out = _context(args)
+        if _models_refused(stack, out, args.verb):
+            return 2
+        return cmd(args, stack, sup, out)
+
+    return start
+
+
+@_starts_engines
+def cmd_up(args, stack: Stack, sup, out) -> int:
     for role in _here(stack, stack.select(args.roles), out):
         state = sup.state(role.key)
         if state.running:
@@ -173,10 +186,8 @@ def cmd_status(args) -> int:
     return rc
 
 
-def cmd_restart(args) -> int:
-    stack, sup, out = _context(args)
-    if _models_refused(stack, out, "restart"):
-        return 2
+@_starts_engines
+def cmd_restart(args, stack: Stack, sup, out) -> int:
     role = _one(stack, args.role)
     if not _here(stack, [role], out):
         return 1
@@ -241,10 +252,8 @@ def _restart_in_service(stack: Stack, sup, role: Role, out, log_lines: int) -> b
     return True
 
 
-def cmd_co_restart(args) -> int:
-    stack, sup, out = _context(args)
-    if _models_refused(stack, out, "co-restart"):
-        return 2
+@_starts_engines
+def cmd_co_restart(args, stack: Stack, sup, out) -> int:
     t0 = time.time()
     for role in _here(stack, stack.select(args.roles), out):
         if not _restart_in_service(stack, sup, role, out, args.log_lines):
@@ -283,10 +292,8 @@ def _stopped_before(out, role: Role, why: str) -> int:
     return 1
 
 
-def cmd_rolling_restart(args) -> int:
-    stack, sup, out = _context(args)
-    if _models_refused(stack, out, "rolling-restart"):
-        return 2
+@_starts_engines
+def cmd_rolling_restart(args, stack: Stack, sup, out) -> int:
     if args.role not in ("prefill", "decode"):
         raise EnvFileError(f"rolling-restart takes prefill or decode, not {args.role!r}")
     instances = stack.of_kind(args.role)

@@ -279,6 +279,14 @@ def test_env_check_and_up_refuse_prefill_and_decode_on_different_models(env_dir)
     assert "must serve the same model" in up.stderr and "up: nothing started" in up.stderr
     assert not list((env_dir.parent / "run").glob("*.pid"))
     assert processes_using(env_dir) == []
+    # So does every other verb that (re)starts an engine.
+    for verb in (["restart", "decode"], ["co-restart"], ["rolling-restart", "decode"]):
+        done = run_pd(*verb, "--env-dir", str(env_dir), "--sim")
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "must serve the same model" in done.stderr
+        assert f"{verb[0]}: nothing started or stopped" in done.stderr
+    assert not list((env_dir.parent / "run").glob("*.pid"))
+    assert processes_using(env_dir) == []
 
 
 def test_env_check_and_up_refuse_the_dsv4_path_on_a_model_that_is_not_dsv4(env_dir, tmp_path):
