@@ -1,15 +1,22 @@
 """The c4/c128 compressor and the c4 indexer query on CPU (patches 0018, 0019).
 
-What each test holds the CPU path to, none of it written by us:
-- Plans: the state slot of every write and read is the one upstream's own kernel-test context
-  (`sglang.test.kernels.deepseek_v4.common.PagedContext.state_loc`) computes for c4 on the SWA
-  ring, and `rid * ring + pos % ring` for c128, whose ring is per request (`c_plan.cuh`).
+What each test holds the CPU path to, and where that reference comes from:
+- Plans: c4's state slot of every write and read is the one upstream's own kernel-test context
+  (`sglang.test.kernels.deepseek_v4.common.PagedContext.state_loc`) computes on the SWA ring.
+  c128's ring is per request (`c_plan.cuh`): its slots are checked against the ring walked
+  token by token (written here, no modulo) and against slots worked out by hand.
 - Compression: every compressed entry, however the sequence arrives (one prefill, chunked
   prefill, prefill then decode, with SWA slots out of order), equals the entry computed directly
-  from the whole sequence by the definition (softmax over the window's scores plus `ape`), so the
-  ring carries exactly what a later forward reads.
+  from the whole sequence by the definition (written here as transformers' compressors state
+  it: the window's rows stacked, one softmax over their scores plus `ape`), so the ring carries
+  exactly what a later forward reads.
+- Norm and RoPE of the stored entries: transformers' `DeepseekV4RMSNorm`, and RoPE as
+  DeepSeek's inference code writes it (interleaved pairs as complex numbers times freqs_cis),
+  not `cpu_norm_rope`'s helpers.
 - The c4 indexer: keys stored by the compressor and queries made by the indexer op, scored by
   upstream's own torch reader (`fp8_paged_mqa_logits_torch`), rank entries as float math does.
+- The indexer's key store: its bytes at offsets worked out by hand, and `load_index_k` gives
+  back values chosen to be exact in FP8.
 - The main compressed KV store reads back through upstream's V4 dequantizer.
 The whole model with these ops against transformers' DSV4 is `test_dsv4_check.py`'s c4c128 test.
 """
@@ -27,6 +34,18 @@ from sglang.kernels.ops.attention.dsv4.rope import precompute_freqs_cis
 
 SWA_PAGE = 256
 RING = {4: 8, 128: 128}
+
+
+def _c128_ring_slot(rid: int, pos: int) -> int:
+    """c128's per-request ring walked token by token: request rid owns the rid-th block of
+    RING[128] state slots, fills it in token order from its first slot and wraps back to it."""
+    first = rid * RING[128]
+    slot = first
+    for _ in range(pos):
+        slot += 1
+        if slot == first + RING[128]:
+            slot = first
+    return slot
 
 
 class Pool:
@@ -49,7 +68,7 @@ class Pool:
 
     def slot(self, rid: int, pos: int) -> int:
         if self.ratio == 128:
-            return rid * RING[128] + pos % RING[128]
+            return _c128_ring_slot(rid, pos)
         from sglang.test.kernels.deepseek_v4.common import PagedContext
 
         ctx = PagedContext(
@@ -133,6 +152,11 @@ def test_plans_put_each_token_in_its_state_slot(ratio):
     d = cpu_compress.unpack_plan(pool.plan([1, 0], seq_lens=[301, 42]).plan_d)
     assert d["write_loc"].tolist() == [pool.slot(1, 300), pool.slot(0, 41)]
     assert d["read_page_1"].tolist() == [pool.slot(1, 300) // ratio, pool.slot(0, 41) // ratio]
+    if ratio == 128:
+        # By hand: request 1's block is slots 128-255, and token 300 is 44 past its 256th.
+        assert d["write_loc"].tolist() == [128 + 44, 41]
+        assert d["read_page_1"].tolist() == [1, 0]  # one state page of 128 rows per request
+        assert c["read_page_1"][c["seq_len"] == 256].tolist() == [1]  # 200-255 in the ring
 
 
 def test_graph_plans_are_padded_with_invalid_rows():
@@ -196,6 +220,25 @@ def _freqs():
     return precompute_freqs_cis(64, 4096, 0, 160000.0, 1, 32, 1)
 
 
+def _deepseek_rope(x, positions):
+    """DeepSeek's RoPE: the last 64 values as 32 interleaved (real, imag) pairs, times
+    freqs_cis at each row's position."""
+    pairs = torch.view_as_complex(x[..., -64:].float().reshape(*x.shape[:-1], 32, 2).contiguous())
+    f = _freqs()[positions.long()]
+    f = f.reshape(f.shape[0], *([1] * (x.dim() - 2)), 32)
+    return torch.cat([x[..., :-64].float(), torch.view_as_real(pairs * f).flatten(-2)], -1)
+
+
+def _normed_roped(kv, weight, eps, positions):
+    """A compressed entry's norm (transformers' DeepseekV4RMSNorm) and RoPE (DeepSeek's)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
+
+    norm = DeepseekV4RMSNorm(kv.shape[-1], eps=eps)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        return _deepseek_rope(norm(kv.float()), positions)
+
+
 def test_index_keys_and_queries_score_as_float_math_does():
     """Keys through the compressor's store, queries through the indexer op, scores through
     upstream's torch reader: the top 16 of 128 entries agree with float scoring."""
@@ -226,13 +269,8 @@ def test_index_keys_and_queries_score_as_float_math_does():
         torch.tensor([n]), torch.arange(n // page).unsqueeze(0), None, n, clean_logits=False,
     )[0]  # fmt: skip
 
-    from sglang.kernels.ops.attention.dsv4 import cpu_norm_rope
-
-    positions = c["seq_len"] - 4
-    k_ref = cpu_norm_rope._normed_roped(kv, norm_w, 1e-6, _freqs(), positions)
-    q_ref = q.float().clone()
-    fr, fi = cpu_norm_rope._freqs(_freqs(), pos)
-    q_ref[..., 64:] = cpu_norm_rope._rotated(q_ref[..., 64:], fr, fi, False)
+    k_ref = _normed_roped(kv, norm_w, 1e-6, c["seq_len"] - 4)
+    q_ref = _deepseek_rope(q, pos)
     want = (torch.relu(q_ref[0] @ k_ref.T) * (w.float()[0, :, None] * 0.5)).sum(0)
     assert torch.nn.functional.cosine_similarity(logits, want, dim=0) > 0.995
     top_got, top_want = set(logits.topk(16).indices.tolist()), set(want.topk(16).indices.tolist())
@@ -240,7 +278,6 @@ def test_index_keys_and_queries_score_as_float_math_does():
 
 
 def test_compressed_kv_store_reads_back_through_upstreams_dequantizer():
-    from sglang.kernels.ops.attention.dsv4 import cpu_norm_rope
     from sglang.test.kernels.deepseek_v4.k_cache_reference import dequantize_k_cache_paged_ref
 
     g = torch.Generator().manual_seed(5)
@@ -257,7 +294,7 @@ def test_compressed_kv_store_reads_back_through_upstreams_dequantizer():
         kvcache=cache, page_size=page,
     )  # fmt: skip
     got = dequantize_k_cache_paged_ref(cache, torch.tensor([5, 0, 2]), page).reshape(3, 512)
-    want = cpu_norm_rope._normed_roped(kv, norm_w, 1e-6, _freqs(), torch.tensor([0, 128, 256]))
+    want = _normed_roped(kv, norm_w, 1e-6, torch.tensor([0, 128, 256]))
     torch.testing.assert_close(got[:, 448:].float(), want[:, 448:], rtol=1e-2, atol=1e-2)
     # nope: rounded to bf16, then e4m3 (half a step, 2^-4 relative, or near zero half the
     # smallest subnormal step of the tile's scale)
@@ -265,3 +302,38 @@ def test_compressed_kv_store_reads_back_through_upstreams_dequantizer():
     scale = tiles.abs().amax(-1, keepdim=True) / 448
     err = (got[:, :448].float().reshape_as(tiles) - tiles).abs()
     assert (err <= tiles.abs() * (2**-4 + 2**-8) + scale * 2**-6 * 2).all(), err.max()
+
+
+def test_index_keys_are_stored_at_their_page_offsets_and_read_back():
+    """store_index_k's bytes at offsets worked out by hand (a page of 64 keys: 64 rows of 128
+    FP8 bytes, then 64 fp32 scales), and load_index_k gives the stored rows back: exactly for
+    rows of e4m3 values times a power of two, within e4m3's half step for any row."""
+    page = 64
+    g = torch.Generator().manual_seed(11)
+    fp8 = torch.float8_e4m3fn
+    v = (torch.randn(3, 128, generator=g) * 100).clamp(-440, 440).to(fp8).float()
+    v[:, 7] = 448.0  # each row's largest, so its scale is amax / 448 = the power of two
+    x = v * torch.tensor([2.0**-3, 1.0, 2.0**5])[:, None]
+    loc = torch.tensor([70, 0, 127])
+    cache = torch.zeros(2, page * 132, dtype=torch.uint8)
+    cpu_compress.store_index_k(x, loc, cache, page)
+    # key 70: page 1, row 6, bytes 768-895, scale at 64 * 128 + 6 * 4 = 8216
+    # key 0: page 0, row 0, bytes 0-127, scale at 8192
+    # key 127: page 1, row 63, bytes 8064-8191, scale at 8192 + 63 * 4 = 8444
+    written = torch.zeros_like(cache, dtype=torch.bool)
+    for row, (p, at, scale_at, scale) in enumerate(
+        [(1, 768, 8216, 2.0**-3), (0, 0, 8192, 1.0), (1, 8064, 8444, 2.0**5)]
+    ):
+        assert torch.equal(cache[p, at : at + 128].view(fp8).float(), v[row]), row
+        assert cache[p, scale_at : scale_at + 4].view(torch.float32).item() == scale, row
+        written[p, at : at + 128] = written[p, scale_at : scale_at + 4] = True
+    assert not cache[~written].any()  # nothing else written
+    assert torch.equal(cpu_compress.load_index_k(loc, cache, page), x)
+
+    y = torch.randn(5, 128, generator=g) * torch.tensor([1e-3, 0.1, 1.0, 10.0, 300.0])[:, None]
+    at = torch.tensor([3, 64, 65, 100, 2])
+    cpu_compress.store_index_k(y, at, cache, page)
+    got = cpu_compress.load_index_k(at, cache, page)
+    scale = y.abs().amax(-1, keepdim=True) / 448
+    assert ((got - y).abs() <= y.abs() * 2**-4 + scale * 2**-10).all()
+    assert torch.equal(cpu_compress.load_index_k(loc, cache, page), x)  # the others kept

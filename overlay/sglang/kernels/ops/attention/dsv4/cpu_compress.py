@@ -294,18 +294,34 @@ def _entries(plan, ratio: int, out_loc: torch.Tensor):
     return rows, seq[rows] - ratio, loc.long()
 
 
+def _index_k_bytes(loc: torch.Tensor, kvcache: torch.Tensor, page_size: int):
+    """(pages [num_pages, page bytes] uint8, page [n, 1], data bytes [n, 128], scale bytes
+    [n, 4]) of the indexer's key rows at `loc`: a page holds `page_size` rows of 128 FP8
+    bytes, then `page_size` fp32 scales."""
+    pages = kvcache.view(torch.uint8).reshape(-1, page_size * INDEX_ROW_BYTES)
+    loc = loc.long()
+    page, slot = loc // page_size, loc % page_size
+    data = slot[:, None] * INDEX_DIM + torch.arange(INDEX_DIM)
+    scale_at = page_size * INDEX_DIM + slot[:, None] * 4 + torch.arange(4)
+    return pages, page[:, None], data, scale_at
+
+
 def store_index_k(
     x: torch.Tensor, loc: torch.Tensor, kvcache: torch.Tensor, page_size: int
 ) -> None:
     """x [n, 128] fp32 -> FP8 rows with an fp32 scale each, in the indexer's paged layout."""
     scale = x.abs().amax(-1).clamp_min(1e-4) / cpu_norm_rope.FP8_MAX
     q = (x / scale[:, None]).clamp(-cpu_norm_rope.FP8_MAX, cpu_norm_rope.FP8_MAX)
-    pages = kvcache.view(torch.uint8).reshape(-1, page_size * INDEX_ROW_BYTES)
-    page, slot = loc // page_size, loc % page_size
-    data = slot[:, None] * INDEX_DIM + torch.arange(INDEX_DIM)
-    pages[page[:, None], data] = q.to(torch.float8_e4m3fn).view(torch.uint8)
-    scale_at = page_size * INDEX_DIM + slot[:, None] * 4 + torch.arange(4)
-    pages[page[:, None], scale_at] = scale.float().view(-1, 1).view(torch.uint8)
+    pages, page, data, scale_at = _index_k_bytes(loc, kvcache, page_size)
+    pages[page, data] = q.to(torch.float8_e4m3fn).view(torch.uint8)
+    pages[page, scale_at] = scale.float().view(-1, 1).view(torch.uint8)
+
+
+def load_index_k(loc: torch.Tensor, kvcache: torch.Tensor, page_size: int) -> torch.Tensor:
+    """`store_index_k`'s rows at `loc` read back: each FP8 row times its scale, [n, 128] fp32."""
+    pages, page, data, scale_at = _index_k_bytes(loc, kvcache, page_size)
+    fp8 = pages[page, data].view(torch.float8_e4m3fn).float()
+    return fp8 * pages[page, scale_at].contiguous().view(torch.float32)
 
 
 def compress_norm_rope_store(
