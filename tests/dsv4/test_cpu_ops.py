@@ -1,11 +1,16 @@
-"""The CPU fallbacks of patches 0011-0013, each against a reference nobody here wrote.
+"""The CPU fallbacks of patches 0011-0013, each against a reference that is not the code under
+test: upstream's or transformers' code where they have one, else the formula written out here.
 
-- RoPE and the norms: DeepSeek's own formulation (interleaved pairs as complex numbers times
-  freqs_cis), and transformers' DSV4 `apply_rotary_pos_emb` with cos/sin from the same table.
+- RoPE: DeepSeek's formulation (interleaved pairs as complex numbers times freqs_cis), written
+  here as DeepSeek's inference code writes it, and transformers' DSV4 `apply_rotary_pos_emb`
+  with cos/sin from the same table.
+- The norms: the RMS norm written out here (mean of squares, rsqrt, weight), with the query
+  norm's rounding to the input dtype before RoPE that the kernel makes.
 - The V4 KV store: upstream's byte-level store (`set_k_and_s_torch`) and dequantizer
   (`dequantize_k_cache_paged_ref`) for the page layout; FP8 error within e4m3's half step.
-- mHC sinkhorn: transformers' `DeepseekV4HyperConnection`.
-- The clamped SwiGLU: transformers' DSV4 MLP formula.
+- mHC: transformers' `DeepseekV4HyperConnection` (sinkhorn's post and comb, and the collapse of
+  the streams with pre that `mhc_combine` makes) and `DeepseekV4HyperHead` (`fused_hc_head`).
+- The clamped SwiGLU: transformers' DSV4 experts' gate (`DeepseekV4Experts._apply_gate`).
 Each is called through sglang's own op (the patched hook), so the dispatch is tested too.
 """
 
@@ -138,7 +143,10 @@ def test_kv_store_skips_rows_without_a_slot():
     assert rows[3].any() and not rows[[0, 1, 2, 4]].any()
 
 
-def test_hc_split_sinkhorn_matches_transformers_hyper_connection():
+def _hyper_connection(streams):
+    """transformers' DeepseekV4HyperConnection with random weights on streams [2, 3, 4, 64]:
+    its (post, comb, collapsed), and sglang's hc_split_sinkhorn (pre, post, comb) on the same
+    mixes (the layer's own projection of its normed, flattened streams)."""
     from sglang.kernels.ops.layernorm.mhc import hc_split_sinkhorn
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
@@ -150,23 +158,47 @@ def test_hc_split_sinkhorn_matches_transformers_hyper_connection():
     with torch.no_grad():
         for p in hc.parameters():
             p.copy_(_randn(*p.shape) * 0.5)
+        want = hc(streams)
+        mixes = torch.nn.functional.linear(hc.input_norm(streams.view(2, 3, -1).float()), hc.fn)
+        return want, hc_split_sinkhorn(mixes, hc.scale, hc.base, 4, 20, 1e-6)
+
+
+def test_hc_split_sinkhorn_matches_transformers_hyper_connection():
+    from sglang.kernels.ops.layernorm.mhc import mhc_combine
+
     streams = _randn(2, 3, 4, 64)
-    post, comb, collapsed = hc(streams)
-    mixes = torch.nn.functional.linear(hc.input_norm(streams.view(2, 3, -1)), hc.fn)
-    pre, post2, comb2 = hc_split_sinkhorn(mixes, hc.scale, hc.base, 4, 20, 1e-6)
+    (post, comb, collapsed), (pre, post2, comb2) = _hyper_connection(streams)
     torch.testing.assert_close(post2, post, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(comb2, comb, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close((pre.unsqueeze(-1) * streams).sum(2), collapsed)
+    # pre: transformers keeps it to itself, and returns the streams it collapsed with it.
+    got = mhc_combine(streams.reshape(6, 4 * 64), pre.reshape(6, 4), 4, torch.float32)
+    torch.testing.assert_close(got, collapsed.reshape(6, 64))
 
 
-def test_silu_and_mul_clamp_matches_transformers_mlp():
+def test_mhc_combine_collapses_the_streams_as_transformers_hyper_connection_does():
+    """bf16 streams weighted by sglang's pre (from hc_split_sinkhorn): transformers sums them
+    in fp32 and rounds once, as mhc_combine does, so the two agree within one bf16 step."""
+    from sglang.kernels.ops.layernorm.mhc import mhc_combine
+
+    streams = _randn(2, 3, 4, 64, dtype=torch.bfloat16)
+    (_, _, collapsed), (pre, _, _) = _hyper_connection(streams)
+    got = mhc_combine(streams.reshape(6, 4 * 64), pre.reshape(6, 4), 4, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, collapsed.reshape(6, 64), atol=0, rtol=2**-7)
+
+
+def test_silu_and_mul_clamp_matches_transformers_experts_gate():
     from sglang.kernels.ops.activation.silu_and_mul_clamp import silu_and_mul_clamp
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
 
+    cfg = DeepseekV4Config(
+        hidden_size=64, intermediate_size=96, num_local_experts=1, swiglu_limit=10.0
+    )
     x = (_randn(5, 2 * 96) * 8).bfloat16()
     out = torch.empty(5, 96, dtype=torch.bfloat16)
     silu_and_mul_clamp(x, out, 10.0)
-    gate, up = x[:, :96].float().clamp(max=10.0), x[:, 96:].float().clamp(-10.0, 10.0)
-    want = torch.nn.functional.silu(gate) * up
+    want = DeepseekV4Experts(cfg)._apply_gate(x.float())
     torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
     assert (x[:, :96].float() > 10).any() and (x[:, 96:].float().abs() > 10).any()  # clamped
 
@@ -184,16 +216,6 @@ def test_fused_hc_head_matches_transformers_hyper_head():
     x = _randn(5, 4, 64)
     got = fused_hc_head(x, head.hc_fn, head.hc_scale, head.hc_base, 1e-6, 1e-6)
     torch.testing.assert_close(got, head(x.unsqueeze(0))[0], atol=1e-5, rtol=1e-5)
-
-
-def test_mhc_combine_is_the_pre_weighted_sum_of_streams():
-    from sglang.kernels.ops.layernorm.mhc import mhc_combine
-
-    x = _randn(6, 4, 64, dtype=torch.bfloat16)
-    pre = _randn(6, 4).abs()
-    got = mhc_combine(x.flatten(1), pre, 4, torch.bfloat16)
-    want = (pre.unsqueeze(-1) * x.float()).sum(1)
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize(

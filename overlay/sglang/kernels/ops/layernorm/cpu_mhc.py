@@ -6,7 +6,9 @@ sglang's real model path without a GPU and without upstream Triton kernels in th
 Two of the three are upstream's own pure-torch equivalents, taken as they are, not copied:
 `sglang.test.kernels.mhc.hc_split_sinkhorn_torch` (documented to mirror the kernel's layout:
 pre, post, then the comb matrix in each row of `mixes`) and `hc_head_torch` in
-`srt/models/deepseek_v4.py` (the model's own path for an empty batch).
+`srt/models/deepseek_v4.py` (the model's own path for an empty batch). The third, `mhc_combine`,
+is written here; tests/dsv4/test_cpu_ops.py holds it (and the sinkhorn's `pre`) to the streams
+that transformers' `DeepseekV4HyperConnection` collapses.
 """
 
 from __future__ import annotations
