@@ -118,14 +118,44 @@ def health_checks(stack: Stack) -> list[Check]:
 
 
 def environ_checks(stack: Stack) -> list[Check]:
-    """Knobs as the engines' port-owning processes hold them. The router is left out: smg reads
-    no SGLANG_* knob, and it rewrites its process title, which blanks /proc/PID/environ."""
+    """Knobs as the engines hold them: in the port-owning process and in each scheduler rank
+    under it (the processes that run the model and read most knobs; at TP > 1 one per rank).
+    The router is left out: smg reads no SGLANG_* knob, and it rewrites its process title,
+    which blanks /proc/PID/environ."""
     out = []
     for role in stack.of_kind("prefill") + stack.of_kind("decode"):
         before = len(out)
         _role_environ_checks(stack, role, out)
         out[before:] = [replace(c, instance=role.name, layer="env") for c in out[before:]]
     return out
+
+
+# sglang titles each scheduler process "sglang::scheduler", "sglang::scheduler_TP1" and so on;
+# the kernel keeps the first 15 characters as the process name.
+SCHEDULER_NAME = "sglang::schedul"
+
+
+def scheduler_ranks(pid: int) -> list[psutil.Process]:
+    """The scheduler processes under the engine's `pid`, in pid order."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    ranks = []
+    for child in children:
+        try:
+            if child.name().startswith(SCHEDULER_NAME):
+                ranks.append(child)
+        except psutil.Error:
+            continue
+    return sorted(ranks, key=lambda p: p.pid)
+
+
+def _title(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline()).strip() or proc.name()
+    except psutil.Error:
+        return SCHEDULER_NAME
 
 
 def _role_environ_checks(stack: Stack, role: Role, out: list[Check]) -> None:
@@ -153,6 +183,23 @@ def _role_environ_checks(stack: Stack, role: Role, out: list[Check]) -> None:
             )
         )
         return
+    _process_environ_checks(role, knobs, pid, f"pid {pid}", out)
+    ranks = scheduler_ranks(pid)
+    if not ranks and not stack.sim:  # a simulated engine is one process
+        out.append(
+            Check(
+                False,
+                f"{role.name}: no scheduler process ({SCHEDULER_NAME}*) under pid {pid}; "
+                "the ranks' knobs cannot be checked",
+            )
+        )
+    for rank in ranks:
+        _process_environ_checks(role, knobs, rank.pid, f"{_title(rank)} pid {rank.pid}", out)
+
+
+def _process_environ_checks(
+    role: Role, knobs: dict[str, str], pid: int, who: str, out: list[Check]
+) -> None:
     try:
         live = psutil.Process(pid).environ()
     except psutil.AccessDenied:
@@ -171,8 +218,9 @@ def _role_environ_checks(stack: Stack, role: Role, out: list[Check]) -> None:
         out.append(
             Check(
                 False,
-                f"{role.name}: /proc/{pid}/environ reads empty (the process "
-                "rewrote its title over it); its knobs cannot be checked",
+                f"{role.name}: /proc/{pid}/environ ({who}) reads empty: the process rewrote "
+                "its title over it, so its knobs cannot be checked; SPT_NOENV=1 in the env "
+                "files keeps sglang's process titles (setproctitle) off the environment",
             )
         )
         return
@@ -183,7 +231,7 @@ def _role_environ_checks(stack: Stack, role: Role, out: list[Check]) -> None:
                 Check(
                     False,
                     f"{role.name} {key}={shown}: in the env files but "
-                    f"missing from the environment of pid {pid}",
+                    f"missing from the environment of {who}",
                     variable=key,
                 )
             )
@@ -192,12 +240,12 @@ def _role_environ_checks(stack: Stack, role: Role, out: list[Check]) -> None:
             out.append(
                 Check(
                     False,
-                    f"{role.name} {key}: pid {pid} has {got!r}, the env files say {shown!r}",
+                    f"{role.name} {key}: {who} has {got!r}, the env files say {shown!r}",
                     variable=key,
                 )
             )
         else:
-            out.append(Check(True, f"{role.name} {key}={shown} live in pid {pid}", variable=key))
+            out.append(Check(True, f"{role.name} {key}={shown} live in {who}", variable=key))
 
 
 def expected_label() -> tuple[str | None, str]:

@@ -151,7 +151,7 @@ def set_env_values(path: Path, **values: str) -> None:
 
 def copy_env_dir(dest: Path, **common: str) -> Path:
     """The repository's env/ (without the A/B overlays) with some common.env values replaced."""
-    shutil.copytree(ROOT / "env", dest, ignore=shutil.ignore_patterns("ab", "backups", "cpu"))
+    shutil.copytree(ROOT / "env", dest, ignore=shutil.ignore_patterns("ab", "backups", "cpu*"))
     set_env_values(dest / "common.env", **common)
     return dest
 

@@ -120,7 +120,7 @@ def test_router_counts_above_decodes_window_are_in_the_trial_json_and_report(tmp
 
 def test_arms_whose_routers_would_differ_are_refused_naming_the_flag(tmp_path):
     env = tmp_path / "env"
-    shutil.copytree(ROOT / "env", env, ignore=shutil.ignore_patterns("ab", "cpu", "cpu-dsv4"))
+    shutil.copytree(ROOT / "env", env, ignore=shutil.ignore_patterns("ab", "cpu*"))
     b = tmp_path / "B.env"
     base = {ln.key: ln.value for ln in parse_file(env / "router.env")}["ROUTER_ARGS"]
     b.write_text(
