@@ -14,7 +14,9 @@ It checks:
 1. every kernel call (spied on, and counted: one per layer per forward): `k_cache` is a view of
    the pool's own buffer for that layer, the index lists, lengths and sink are the ones the
    backend built, each row's SWA length is min(position + 1, window), and the output matches
-   upstream's torch reference (`_sm120_sparse_decode_fwd`) on the same arguments; on c4/c128
+   upstream's torch reference (`_sm120_sparse_decode_fwd`) on the same arguments (for the
+   torch backend, whose kernel that is: a dense reference, the listed keys read from the
+   pool's buffers through upstream's V4 dequantizer, one softmax with the sink); on c4/c128
    layers also the compressed index lists and lengths (every entry so far, the c4 indexer's
    top-k of them, none before the first window closes);
 2. the whole model, per step: max abs diff, cosine and top-1 of the logits, mma against torch
@@ -279,16 +281,8 @@ class KernelSpy:
                 continue
             key = f"{st['layer']}:{'index' if st['index'] else 'kv'}"
             if st["index"]:
-                page = st["page_size"]
-                pages = (
-                    st["cache"].view(torch.uint8).reshape(-1, page * cpu_compress.INDEX_ROW_BYTES)
-                )
-                p, slot = st["loc"] // page, st["loc"] % page
-                at = slot[:, None] * 128 + torch.arange(128)
-                fp8 = pages[p[:, None], at].view(torch.float8_e4m3fn).float()
-                at = page * 128 + slot[:, None] * 4 + torch.arange(4)
-                scale = pages[p[:, None], at].contiguous().view(torch.float32)
-                value = cpu_compress.hadamard(fp8 * scale)
+                keys = cpu_compress.load_index_k(st["loc"], st["cache"], st["page_size"])
+                value = cpu_compress.hadamard(keys)
             else:
                 value = dequantize_k_cache_paged_ref(st["cache"], st["loc"], st["page_size"])
                 value = value.reshape(len(st["loc"]), -1).float()
@@ -312,6 +306,51 @@ class KernelSpy:
             return run(fn, *args, **kwargs)
 
         InterpretedFunction.run = counted
+
+    @staticmethod
+    def dense_attention(kw: dict, pool, layer_id: int, heads: int):
+        """The sparse decode written out, for the torch backend (whose kernel is upstream's
+        torch reference): every listed key read from the pool's own buffers through upstream's
+        V4 dequantizer (not the kernel's gather), q.k times the scale, the sink as one more
+        logit with a zero value, one softmax. (out [rows, s_q, heads, dv], lse [rows, heads,
+        s_q] without the sink), fp32, for the first `heads` heads."""
+        import torch
+        from sglang.test.kernels.deepseek_v4.k_cache_reference import (
+            dequantize_k_cache_paged_ref,
+        )
+
+        q = kw["q"].float()[..., :heads, :]
+        rows, s_q = q.shape[:2]
+        keys, listed = [], []
+        sources = [
+            (pool.get_swa_key_buffer_radix(layer_id), kw["k_cache"], "indices", "topk_length")
+        ]
+        if kw.get("extra_k_cache") is not None:
+            extra = pool.get_extra_key_buffer(layer_id)
+            sources.append(
+                (extra, kw["extra_k_cache"], "extra_indices_in_kvcache", "extra_topk_length")
+            )
+        for buffer, view, indices, lengths in sources:
+            idx = kw[indices].reshape(rows, s_q, -1).long()
+            n = idx.shape[-1]
+            ok = idx >= 0
+            if kw.get(lengths) is not None:
+                ok &= torch.arange(n).view(1, 1, n) < kw[lengths].reshape(rows, 1, 1)
+            at, inverse = torch.unique(idx.clamp(min=0), return_inverse=True)
+            k = dequantize_k_cache_paged_ref(buffer, at, view.shape[1]).reshape(len(at), -1)
+            keys.append(k.float()[inverse])
+            listed.append(ok)
+        k, ok = torch.cat(keys, 2), torch.cat(listed, 2)
+        scale = kw.get("softmax_scale") or kw["q"].shape[-1] ** -0.5
+        logits = torch.einsum("bshd,bsnd->bshn", q[..., : k.shape[-1]], k) * scale
+        logits = logits.masked_fill(~ok[:, :, None, :], float("-inf"))
+        sink = torch.full((heads,), float("-inf"))
+        if kw.get("attn_sink") is not None:
+            sink = kw["attn_sink"].float().reshape(-1)[:heads]
+        sink = sink.view(1, 1, heads, 1).expand(rows, s_q, heads, 1)
+        weight = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1].nan_to_num()
+        out = torch.einsum("bshn,bsnv->bshv", weight, k[..., : kw["head_dim_v"]])
+        return out, torch.logsumexp(logits, -1).transpose(1, 2)
 
     def record(self, fm, kw: dict, out) -> None:
         import torch
@@ -374,30 +413,35 @@ class KernelSpy:
                     for r, m in zip(listed, live, strict=True)
                 )
             )
-        ref_out, ref_lse = fm._sm120_sparse_decode_fwd(
-            kw["q"],
-            kw["k_cache"],
-            kw["indices"],
-            kw["topk_length"],
-            kw["attn_sink"],
-            kw["head_dim_v"],
-            kw["softmax_scale"],
-            kw.get("extra_k_cache"),
-            kw.get("extra_indices_in_kvcache"),
-            kw.get("extra_topk_length"),
-        )
         # The heads the model keeps: upstream pads the torch backend's decode q to 64 heads at
-        # TP > 1, and those rows are NaN in both (the model slices them off).
-        o, r = out[0].float()[..., : self.native, :], ref_out.float()[..., : self.native, :]
+        # TP > 1, and those rows are NaN (the model slices them off).
+        kept = min(q.shape[-2], self.native)
+        if fm._sm120_default_backend == "torch":  # the kernel is upstream's torch reference
+            reference = "the dense reference"
+            ref_out, ref_lse = self.dense_attention(kw, pool, layer_id, kept)
+        else:
+            reference = "upstream's torch reference"
+            ref_out, ref_lse = fm._sm120_sparse_decode_fwd(
+                kw["q"],
+                kw["k_cache"],
+                kw["indices"],
+                kw["topk_length"],
+                kw["attn_sink"],
+                kw["head_dim_v"],
+                kw["softmax_scale"],
+                kw.get("extra_k_cache"),
+                kw.get("extra_indices_in_kvcache"),
+                kw.get("extra_topk_length"),
+            )
+        o, r = out[0].float()[..., :kept, :], ref_out.float()[..., :kept, :]
         err = (o - r).abs()
         tol = 1e-2 * r.abs().amax().clamp(min=1.0) + 1e-2 * r.abs()
-        lse, rlse = out[1].reshape(ref_lse.shape), ref_lse
+        lse = out[1].reshape(rows, q.shape[-2], -1)[:, :kept]
+        rlse = ref_lse.reshape(rows, -1, lse.shape[-1])[:, :kept]
         finite = rlse.isfinite()
         lse_err = (lse[finite] - rlse[finite]).abs().max().item() if finite.any() else 0.0
-        checks["output matches the torch reference"] = bool((err <= tol).all())
-        checks["lse matches the torch reference"] = lse_err <= 1e-3 and torch.equal(
-            lse.isfinite(), finite
-        )
+        checks[f"output matches {reference}"] = bool((err <= tol).all())
+        checks[f"lse matches {reference}"] = lse_err <= 1e-3 and torch.equal(lse.isfinite(), finite)
         self.calls.append(
             {
                 "layer": layer_id,
@@ -406,6 +450,7 @@ class KernelSpy:
                 "heads": q.shape[-2],
                 "max_err": err.max().item(),
                 "lse_err": lse_err,
+                "reference": reference,
                 "failed": [name for name, ok in checks.items() if not ok],
             }
         )
@@ -868,13 +913,14 @@ def report(
                 failures.append(f"{name}: greedy tokens {run['tokens']} differ from rank 0's "
                                 f"{mma['tokens']}")  # fmt: skip
             worst = max((c["max_err"] for c in run["calls"]), default=0.0)
+            reference = " and ".join(sorted({c["reference"] for c in run["calls"]}))
             kernels = ", ".join(
                 f"{k.rsplit('.', 1)[-1]} x{v}" for k, v in sorted(run["triton"].items())
             )
             lines.append(f"{name}: Triton kernels run (interpreter): {kernels or 'none'}")
             lines.append(
                 f"{name}: {len(run['calls'])} kernel calls (expected {want}), query heads "
-                f"{'/'.join(map(str, got_heads))} of {heads}, worst |out - torch reference| "
+                f"{'/'.join(map(str, got_heads))} of {heads}, worst |out - {reference}| "
                 f"{worst:.3g}, run {run['seconds']:.1f} s ({run['wall']:.1f} s with load)"
             )
     lines += [f"near-tie, not counted: {t}" for t in ties]

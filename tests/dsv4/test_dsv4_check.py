@@ -2,7 +2,9 @@
 
 The check itself fails (exit 1) when a kernel call is missing or skipped (it counts them: one
 per layer per forward), when a call's cache, index lists, lengths or sink are not the backend's,
-when the kernel's output leaves upstream's torch reference, or when the logits leave the torch
+when the kernel's output leaves its reference (for mma upstream's torch reference; for the torch
+backend, which runs that reference as its kernel, a dense one the check writes out over the
+pool's keys read back through upstream's dequantizer), or when the logits leave the torch
 backend's or transformers' beyond its thresholds; this test runs it and reads its JSON.
 """
 
@@ -62,6 +64,8 @@ def _through_the_kernel(model: Path, got: dict, steps: int) -> None:
         assert [c["rows"] for c in calls[:layers]] == [got["prompt_len"]] * layers
         assert all(c["rows"] == 1 for c in calls[layers:])
         assert all(not c["failed"] for c in calls)
+        reference = "upstream's torch reference" if backend == "mma" else "the dense reference"
+        assert {c["reference"] for c in calls} == {reference}
     # Greedy tokens differ only at a near-tie, which the check reports and does not count.
     ties = got["stdout"].count("near-tie, not counted")
     pairs = zip(got["tokens"]["mma"], got["tokens"]["torch"], strict=True)
