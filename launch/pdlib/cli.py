@@ -18,6 +18,7 @@ from launch.pdlib import (
     monitoring,
     rotation,
     systemd_units,
+    tp_mix,
 )
 from launch.pdlib.envfiles import EnvFileError, Redactor
 from launch.pdlib.files import write_whole
@@ -106,9 +107,10 @@ def _routes_to_all(stack: Stack, router: Role, out) -> bool:
 
 
 def _models_refused(stack: Stack, out, verb: str) -> bool:
-    """True (after saying why) when the engines would not serve one model, or a DSV4-only
-    setting sits next to another model: checked before anything is started or stopped."""
-    refused = envfiles.model_problems(stack.env)
+    """True (after saying why) when the engines would not serve one model, a DSV4-only
+    setting sits next to another model, or prefill and decode differ in TP size on a model
+    that is not MLA: checked before anything is started or stopped."""
+    refused = envfiles.model_problems(stack.env) or tp_mix.problems(stack.env, [])
     for problem in refused:
         out(f"FAIL {problem}", err=True)
     if refused:

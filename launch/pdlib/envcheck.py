@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from launch.pdlib import engine_args, model_path, router_args
+from launch.pdlib import engine_args, model_path, router_args, tp_mix
 from launch.pdlib.envfiles import (
     FILES,
     EnvDir,
@@ -66,6 +66,7 @@ def check(env_dir: Path) -> tuple[list[str], list[str]]:
     if not problems:
         # A model path's problem does not hide the command lines' (they do not depend on it).
         problems += model_path.problems(EnvDir(env_dir), notes)
+        problems += tp_mix.problems(EnvDir(env_dir), notes)
         _check_engine_args(Path(env_dir), present, problems, notes)
         _check_router_args(Path(env_dir), problems, notes)
     return problems, notes
