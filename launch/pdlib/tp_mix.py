@@ -104,14 +104,14 @@ def mixed_pairs(env: EnvDir) -> list[tuple[EngineTP, EngineTP]]:
 
 
 def _source_rank(prefill: int, decode: int) -> str:
-    """The prefill rank an MLA model's decode rank r reads from (sglang's
-    _resolve_rank_mapping in disaggregation/common/conn.py; the other prefill ranks send it
-    nothing but a dummy)."""
+    """Where an MLA model's decode ranks read from (sglang's _resolve_rank_mapping in
+    disaggregation/common/conn.py; the other prefill ranks send a decode rank only a dummy)."""
+    whole = "takes the whole KV and state from prefill rank"
     if prefill == 1:
-        return "prefill rank 0"
+        return f"each decode rank {whole} 0"
     if decode > prefill:
-        return f"prefill rank r // {decode // prefill}"
-    return f"prefill rank r * {prefill // decode}"
+        return f"decode rank r {whole} r // {decode // prefill}"
+    return f"decode rank r {whole} r * {prefill // decode}"
 
 
 def _python(value: str) -> str:
@@ -200,8 +200,7 @@ def problems(env: EnvDir, notes: list[str]) -> list[str]:
         for p, d in pairs:
             notes.append(
                 f"{d.source} ({d.name}) differs from {p.source} ({p.name}); {model} is MLA "
-                f"({how}), so each decode rank r takes the whole KV and state from "
-                f"{_source_rank(p.size, d.size)}"
+                f"({how}), so {_source_rank(p.size, d.size)}"
             )
         return found
     for p, d in pairs:
