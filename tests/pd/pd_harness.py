@@ -113,6 +113,7 @@ class RecordingStreamer:
 @dataclass
 class MetricsReporter:
     enable_metrics: bool = True
+    current_scheduler_metrics_enabled: bool = True
     kv_transfer_latency_ms: float = 0.0
     kv_transfer_speed_gb_s: float = 0.0
 

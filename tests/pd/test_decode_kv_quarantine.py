@@ -189,3 +189,22 @@ def test_an_ack_within_the_timeout_releases_the_room_without_a_quarantine(held, 
     assert held.metric("sglang:decode_kv_quarantines_total") == 0
     assert "KV quarantine" not in caplog.text
     assert held.outcomes == ["drained"]
+
+
+def test_a_rank_other_than_0_quarantines_and_publishes_nothing(transfer_queue, clock, request):
+    """At decode TP > 1 every rank holds its copy of the room's pages and quarantines it, and
+    only the rank upstream lets publish scheduler metrics (attention-TP rank 0, its
+    current_scheduler_metrics_enabled) counts it: one room is one quarantine on /metrics."""
+    transfer_queue.scheduler.metrics_reporter.current_scheduler_metrics_enabled = False
+    held = Quarantined(transfer_queue, request.node.name)
+    before = held.queue.free_counts()
+    assert held.tick() == []
+    fail_on_the_waiting_timeout(held, clock, "rank-1", room=43)
+    tick_for(held, clock, DEFERRED_S)
+    assert held.queue.free_counts()["kv tokens"] == before["kv tokens"] - 5  # still held
+    for name in ("rooms", "tokens"):
+        assert held.metric(f"sglang:decode_kv_quarantined_{name}") is None
+    assert held.metric("sglang:decode_kv_quarantines_total") is None
+    held.ack(43)
+    assert held.tick() == []
+    assert held.queue.free_counts() == before

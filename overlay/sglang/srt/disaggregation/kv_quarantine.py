@@ -120,7 +120,9 @@ class KVQuarantine:
         self._queue = queue
         self._held: dict[int, _Held] = {}
         labels = None
-        if getattr(queue.scheduler.metrics_reporter, "enable_metrics", False):
+        # As upstream's own scheduler metrics: the attention-TP rank 0 publishes (every rank
+        # quarantines its copy of the room's pages; one room is counted once).
+        if getattr(queue.scheduler.metrics_reporter, "current_scheduler_metrics_enabled", False):
             labels = getattr(queue.scheduler.metrics_collector, "labels", None)
         self._metrics = _Metrics(labels) if labels is not None else None
         self._publish()
