@@ -1,9 +1,14 @@
-"""env/cpu-dsv4: a tiny DeepSeek-V4 in PD on real CPU engines, over NIXL, behind the real smg.
+"""env/cpu-dsv4-tp: a tiny DeepSeek-V4 in PD on real CPU engines, prefill at TP 1 and decode at
+TP 2, over NIXL, behind the real smg.
 
-The stack comes up with launch/pd from a copy of env/cpu-dsv4 (free loopback ports, its own run
-directory). Greedy tokens through the router must equal bench/dsv4_check's in-process tokens for
-the same prompt: every row decode reads arrived over NIXL (patches 0007 and 0017). Decode's log
-must show the mma kernel's decode launches with the env file's split target.
+The stack comes up with launch/pd from a copy of env/cpu-dsv4-tp (free loopback ports, its own
+run directory). Greedy tokens through the router must equal bench/dsv4_check's in-process tokens
+for the same prompt: every row decode's two ranks read arrived over NIXL from prefill's one rank
+(patches 0007 and 0017; before 0017 registered the state buffers under NIXL's host-memory device
+id, the first state transfer to rank 1 failed with NIXL_ERR_NOT_FOUND). Decode's log must show
+the mma kernel's decode launches with the env file's split target, and `launch/pd verify` must
+read the knobs in each decode rank's process. `DSV4_PD_ENV=cpu-dsv4` runs the same tests with
+decode at TP 1: every transfer path is also taken at TP 2 (by rank 0), so CI runs the TP 2 one.
 
 The model is env/cpu-dsv4's, the c4c128 standard (a c4 layer with its indexer, a c128 layer).
 Its 252-token prompt is longer than the 128-token window and fills compressed entries in
@@ -12,8 +17,9 @@ that decode needs when it closes the next window at 256 tokens. So the SWA rows,
 pools, the indexer's keys and the compressor states must all arrive for the tokens to match.
 `DSV4_PD_STANDARD=swa` runs the same tests on the SWA-only model (160-token prompt).
 
-Then the faults of tests/engine, on this model (engine_harness holds the machinery): decode
-killed mid-stream and a co-restart that also puts a changed split target live, prefill frozen
+Then the faults of tests/engine, on this model (engine_harness holds the machinery): one decode
+rank killed mid-stream (the engine must exit whole, not stay half alive with its other rank in a
+collective) and a co-restart that also puts a changed split target live, prefill frozen
 while decode waits (the room's pages quarantined until prefill acknowledges, patch 0024),
 decode frozen after bootstrap. Each asserts on the engines' /metrics
 counters and the client's error (which names the variable that bounded it), waits until both
@@ -59,6 +65,7 @@ from bench import dsv4_check  # noqa: E402
 from launch.pdlib import envfiles  # noqa: E402
 
 STANDARD = os.environ.get("DSV4_PD_STANDARD", "c4c128")
+ENV = os.environ.get("DSV4_PD_ENV", "cpu-dsv4-tp")
 SWA_PROMPT, SWA_STEPS = 160, 6  # c4c128: conftest's session check (252 tokens, 6 steps)
 # The faults' timeouts (seconds): decode's wait for a room's KV, prefill's for its KV sender.
 # Decode's wait also bounds every healthy request here, and a short prompt's interpreted DSV4
@@ -97,8 +104,8 @@ def dsv4_stack(model, reference, tmp_path_factory):
         "sampling_params": {"temperature": 0, "max_new_tokens": 3},
     }
     stack = start_fault_stack(
-        "cpu-dsv4",
-        tmp_path_factory.mktemp("cpu-dsv4"),
+        ENV,
+        tmp_path_factory.mktemp(ENV),
         small,
         LONG_WAITING_S,
         INFLIGHT_TIMEOUT_S,
@@ -125,6 +132,20 @@ def test_greedy_through_pd_equals_the_in_process_check(model, reference, dsv4_st
     assert "SGLANG_SM120_MMA_TARGET_CTAS=512 (set): batch 1," in decode_log
     verify = pd(stack.env_dir, "verify", timeout=180)
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-2000:]
+    # The knobs in each decode rank's own process (their titles are sglang's, kept off the
+    # environment by the env file's SPT_NOENV=1), not only in the process that owns the port.
+    titles = (
+        ["sglang::scheduler"]
+        if decode_tp(stack) == 1
+        else ["sglang::scheduler_TP0", "sglang::scheduler_TP1"]
+    )
+    for title in titles:
+        line = f"ok   decode SGLANG_SM120_MMA_TARGET_CTAS=512 live in {title} pid"
+        assert line in verify.stdout, verify.stdout[-3000:]
+
+
+def decode_tp(stack: Stack) -> int:
+    return int(envfiles.EnvDir(stack.env_dir).role_env("decode")["TP_SIZE"])
 
 
 def _co_restart_with(stack: Stack, decode_values: dict[str, str]) -> str:
@@ -145,9 +166,11 @@ def _short_waiting_timeout(stack: Stack) -> None:
         stack.waiting_s = WAITING_TIMEOUT_S
 
 
-def test_decode_killed_mid_stream_then_co_restart_puts_a_changed_split_target_live(dsv4_stack):
-    """Decode killed while it streams: the client gets an error, not a finished stream, and
-    prefill holds nothing. Then the operator's loop on DSV4: SGLANG_SM120_MMA_TARGET_CTAS
+def test_decode_rank_killed_mid_stream_then_co_restart_puts_a_changed_split_target_live(dsv4_stack):
+    """Decode's last rank (scheduler_TP1 at TP 2) killed while it streams: the client gets an
+    error, not a finished stream, every process of the decode engine is gone within a minute
+    (not half alive, its other rank waiting in a collective), and prefill holds nothing. Then
+    the operator's loop on DSV4: SGLANG_SM120_MMA_TARGET_CTAS
     changed in decode.env (with the faults' waiting timeout) and `co-restart` (each role in
     order, health-gated, then verify): the new value is live in decode's process and in the mma
     launcher's split choice for the next request, which the restarted stack serves. /metrics:
@@ -155,7 +178,7 @@ def test_decode_killed_mid_stream_then_co_restart_puts_a_changed_split_target_li
     stack = dsv4_stack
     prompt_before = stack.metrics("prefill").get("sglang:prompt_tokens_total", 0.0)
     body = {**stack.body, "sampling_params": {"temperature": 0, "max_new_tokens": 64}}
-    kill_decode_mid_stream(stack, body, kill_after=3, stream_s=120)
+    kill_decode_mid_stream(stack, body, kill_after=3, stream_s=120, one_rank=True)
     prompt_after = stack.metrics("prefill")["sglang:prompt_tokens_total"]
     assert prompt_after >= prompt_before + len(body["input_ids"])
     log = stack.run_dir / "decode.log"

@@ -501,18 +501,33 @@ QUARANTINES = "sglang:decode_kv_quarantines_total"
 
 def failed_on_the_waiting_timeout(stack: Stack, call: Call) -> int:
     """The client's 500 once decode failed the room on its waiting timeout, naming the
-    variable that bounded it (patch 0010); the room's bootstrap_room, read from it."""
+    variable that bounded it (patch 0010); the room's bootstrap_room, read from it.
+
+    At decode TP > 1 the rank whose clock ran out first fails the room, and the client gets
+    rank 0's error: its own timeout, or (patch 0028) the room failed on another rank, with how
+    long rank 0 had waited against the same variable. Then the other rank's own line is in
+    decode's log."""
     call.join(stack.waiting_s + 40)
     assert not call.is_alive(), "decode did not fail the request while prefill was frozen"
     assert call.status == 500, (call.status, call.text)
-    waited = re.search(
-        r"timed out after ([\d.]+)s in KVPoll.WaitingForInput; "
-        rf"bounded by SGLANG_DISAGGREGATION_WAITING_TIMEOUT={stack.waiting_s:g}\b",
-        call.text,
-    )
-    assert waited, call.text
+    bound = rf"bounded by SGLANG_DISAGGREGATION_WAITING_TIMEOUT={stack.waiting_s:g}\b"
+    own = rf"timed out after ([\d.]+)s in KVPoll.WaitingForInput; {bound}"
+    room = int(re.search(r"bootstrap_room=(\d+)", call.text).group(1))
+    waited = re.search(own, call.text)
+    if waited is None:
+        other = re.search(
+            rf"unknown reason from another rank of this decode engine; that rank's log line for "
+            rf"bootstrap_room={room} names the cause. This rank had waited ([\d.]+)s for the "
+            rf"room's KV, {bound}",
+            call.text,
+        )
+        assert other, call.text
+        # Within a scheduler pass of the rank that ran out (the ranks poll in lockstep).
+        assert float(other.group(1)) >= stack.waiting_s - 2, call.text
+        waited = re.search(rf"bootstrap_room={room} .*{own}", stack.log("decode"))
+        assert waited, stack.log("decode")[-3000:]
     assert float(waited.group(1)) >= stack.waiting_s
-    return int(re.search(r"bootstrap_room=(\d+)", call.text).group(1))
+    return room
 
 
 def wait_quarantined(stack: Stack, room: int, quarantines_before: float) -> dict[str, float]:
@@ -717,12 +732,23 @@ def decode_frozen_after_bootstrap(stack: Stack) -> None:
     serves_a_fresh_request(stack)
 
 
-def kill_decode_mid_stream(stack: Stack, body: dict, kill_after: int, stream_s: float = 60) -> None:
+def kill_decode_mid_stream(
+    stack: Stack, body: dict, kill_after: int, stream_s: float = 60, one_rank: bool = False
+) -> None:
     """Decode's process group killed once the client has `kill_after` streamed events of
     `body` (max_new_tokens well above that): the stream ends with an error and no length
-    finish, and prefill holds nothing afterwards."""
+    finish, and prefill holds nothing afterwards.
+
+    `one_rank`: only decode's last scheduler rank is killed (at TP 2, scheduler_TP1), as when
+    one GPU's process dies. The engine must not stay half alive, its HTTP server answering
+    while the other ranks wait in a collective for ever: every process of it must be gone
+    within ENGINE_EXIT_S (sglang's SubprocessWatchdog sees the dead child and takes the engine
+    down)."""
     body = {**body, "stream": True}
     body["sampling_params"] = {**body["sampling_params"], "ignore_eos": True}
+    engine = psutil.Process(stack.pid("decode"))
+    processes = [engine, *engine.children(recursive=True)]
+    victim = max(stack.schedulers("decode"), key=lambda p: " ".join(p.cmdline()))
     events = []
     with stack.request(stack.url["router"] + "/generate", body, timeout=60) as resp:
         assert resp.status == 200
@@ -731,12 +757,23 @@ def kill_decode_mid_stream(stack: Stack, body: dict, kill_after: int, stream_s: 
             if line.strip():
                 events.append(line.decode().strip())
             if len(events) == kill_after:
-                os.killpg(stack.pid("decode"), signal.SIGKILL)
+                if one_rank:
+                    victim.kill()
+                else:
+                    os.killpg(stack.pid("decode"), signal.SIGKILL)
             assert time.monotonic() < deadline, "the stream went on after decode was killed"
     after = events[kill_after:]
     assert any('"error"' in e for e in after), after[-3:]
     assert not any('"finish_reason"' in e and '"length"' in e for e in after), after[-3:]
+    if one_rank:
+        _gone, alive = psutil.wait_procs(processes, timeout=ENGINE_EXIT_S)
+        assert not alive, f"decode half alive {ENGINE_EXIT_S} s after one rank died: {alive}"
     wait_idle(stack, "prefill")
+
+
+# Seconds a decode engine may take to exit whole once one of its ranks died: sglang's watchdog
+# polls each second, then waits 5 s before it kills the process tree.
+ENGINE_EXIT_S = 60
 
 
 # ---- a real Prometheus on the stack ----------------------------------------------------------

@@ -28,9 +28,7 @@ def set_values(path: Path, **values: str) -> None:
 
 def make_env_dir(tmp: Path, api_key: str = "") -> Path:
     env = tmp / "env"
-    shutil.copytree(
-        ROOT / "env", env, ignore=shutil.ignore_patterns("ab", "backups", "cpu*")
-    )
+    shutil.copytree(ROOT / "env", env, ignore=shutil.ignore_patterns("ab", "backups", "cpu*"))
     prefill, boot, decode, router, prom = free_loopback_ports(5)
     set_values(
         env / "common.env",
