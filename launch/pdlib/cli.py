@@ -15,6 +15,7 @@ from launch.pdlib import (
     envfiles,
     loadfiles,
     maintenance,
+    model_path,
     monitoring,
     rotation,
     systemd_units,
@@ -110,7 +111,7 @@ def _models_refused(stack: Stack, out, verb: str) -> bool:
     """True (after saying why) when the engines would not serve one model, a DSV4-only
     setting sits next to another model, or prefill and decode differ in TP size on a model
     that is not MLA: checked before anything is started or stopped."""
-    refused = envfiles.model_problems(stack.env) or tp_mix.problems(stack.env, [])
+    refused = model_path.model_problems(stack.env) or tp_mix.problems(stack.env, [])
     for problem in refused:
         out(f"FAIL {problem}", err=True)
     if refused:

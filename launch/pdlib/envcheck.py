@@ -15,7 +15,6 @@ from launch.pdlib.envfiles import (
     EnvFileError,
     instance_files,
     knob_value_error,
-    model_problems,
     parse_file,
     registered_sglang_names,
 )
@@ -62,7 +61,7 @@ def check(env_dir: Path) -> tuple[list[str], list[str]]:
     if not problems:
         problems += topology_problems(EnvDir(env_dir), notes)
     if not problems:
-        problems += model_problems(EnvDir(env_dir), notes)
+        problems += model_path.model_problems(EnvDir(env_dir), notes)
     if not problems:
         # A model path's problem does not hide the command lines' (they do not depend on it).
         problems += model_path.problems(EnvDir(env_dir), notes)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import ipaddress
-import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -301,12 +300,6 @@ def registered_sglang_names() -> tuple[set[str], str]:
 DSV4_SETTINGS = ("SGLANG_CPU_SM120_PATH",)
 
 
-def _model_dir(value: str) -> Path:
-    """MODEL_PATH as launch/lib.sh resolves it: absolute as given, else under the repo root."""
-    path = Path(value)
-    return path if path.is_absolute() else Path(__file__).resolve().parents[2] / path
-
-
 # Settings for a CPU engine only (SGLANG_USE_CPU_ENGINE=1, upstream's is_cpu), each with the
 # values that leave it off: on any other engine the engine stops at start with an error naming
 # it (patch 0016 for the SM120 path, patch 0020 for the NIXL threads' nice value).
@@ -337,56 +330,6 @@ def cpu_engine_problems(env: EnvDir) -> list[str]:
                     "one (no SGLANG_USE_CPU_ENGINE=1 for it): it would stop at start; unset "
                     f"{key} there"
                 )
-    return problems
-
-
-def model_problems(env: EnvDir, notes: list[str] | None = None) -> list[str]:
-    """Every engine serves the same model (PD moves one model's KV between them), the
-    DSV4-only settings sit next to a DSV4 model, and the CPU-only settings on CPU engines.
-    `env check` runs this, and so does `up` before it starts anything."""
-    return _model_problems(env, notes) + cpu_engine_problems(env)
-
-
-def _model_problems(env: EnvDir, notes: list[str] | None = None) -> list[str]:
-    problems: list[str] = []
-    notes = [] if notes is None else notes
-    engines = [(r, i) for r in ("prefill", "decode") for i in env.instances(r) or [None]]
-    models = {}
-    for role, index in engines:
-        value = env.role_env(role, index).get("MODEL_PATH", "")
-        path = _model_dir(value)
-        models[(role, index)] = (value, path.resolve() if path.exists() else value)
-    first = engines[0]
-    for other in engines[1:]:
-        if models[other][1] != models[first][1]:
-            problems.append(
-                f"{env.origin(other[0], other[1], 'MODEL_PATH')}={models[other][0]} differs from "
-                f"{env.origin(first[0], first[1], 'MODEL_PATH')}={models[first][0]}: prefill and "
-                "decode must serve the same model (decode reads the KV prefill computed)"
-            )
-    if problems:
-        return problems
-    for role, index in engines:
-        values = env.role_env(role, index)
-        dsv4_on = [k for k in DSV4_SETTINGS if values.get(k, "").strip() not in ("", "0")]
-        config = _model_dir(values.get("MODEL_PATH", "")) / "config.json"
-        if not dsv4_on:
-            continue
-        if not config.is_file():
-            notes.append(f"{config}: not found here, so the model type was not checked")
-            continue
-        try:
-            model_type = json.loads(config.read_text()).get("model_type")
-        except (OSError, ValueError) as exc:
-            problems.append(f"{config}: not readable as JSON ({exc})")
-            continue
-        if model_type != "deepseek_v4":
-            problems.append(
-                f"{env.origin(role, index, dsv4_on[0])}={values[dsv4_on[0]]} takes DeepSeek-V4's "
-                f"SM120 attention path, but MODEL_PATH={values['MODEL_PATH']} is model_type "
-                f"{model_type!r}: set it to a DSV4 model or unset {dsv4_on[0]}"
-            )
-            break
     return problems
 
 

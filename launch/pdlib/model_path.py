@@ -10,9 +10,11 @@ seen from here: it gets a note, not a verdict.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+from launch.pdlib import envfiles
 from launch.pdlib.envfiles import EnvDir
 from launch.pdlib.stack import is_local
 
@@ -100,3 +102,53 @@ def _judge(value: str, where: str, host: str) -> tuple[str | None, str | None]:
         f"({hub_id_reason(value)}); a typo? The engines would try the hub for it and fail "
         "only after they start"
     ), None
+
+
+def model_problems(env: EnvDir, notes: list[str] | None = None) -> list[str]:
+    """Every engine serves the same model (PD moves one model's KV between them), the
+    DSV4-only settings sit next to a DSV4 model, and the CPU-only settings on CPU engines.
+    `env check` runs this, and so does `up` before it starts anything."""
+    return _model_problems(env, notes) + envfiles.cpu_engine_problems(env)
+
+
+def _model_problems(env: EnvDir, notes: list[str] | None = None) -> list[str]:
+    problems: list[str] = []
+    notes = [] if notes is None else notes
+    engines = [(r, i) for r in ("prefill", "decode") for i in env.instances(r) or [None]]
+    models = {}
+    for role, index in engines:
+        value = env.role_env(role, index).get("MODEL_PATH", "")
+        path = resolve(value)
+        models[(role, index)] = (value, path.resolve() if path.exists() else value)
+    first = engines[0]
+    for other in engines[1:]:
+        if models[other][1] != models[first][1]:
+            problems.append(
+                f"{env.origin(other[0], other[1], 'MODEL_PATH')}={models[other][0]} differs from "
+                f"{env.origin(first[0], first[1], 'MODEL_PATH')}={models[first][0]}: prefill and "
+                "decode must serve the same model (decode reads the KV prefill computed)"
+            )
+    if problems:
+        return problems
+    for role, index in engines:
+        values = env.role_env(role, index)
+        dsv4_on = [k for k in envfiles.DSV4_SETTINGS if values.get(k, "").strip() not in ("", "0")]
+        config = resolve(values.get("MODEL_PATH", "")) / "config.json"
+        if not dsv4_on:
+            continue
+        if not config.is_file():
+            notes.append(f"{config}: not found here, so the model type was not checked")
+            continue
+        try:
+            model_type = json.loads(config.read_text()).get("model_type")
+        except (OSError, ValueError) as exc:
+            problems.append(f"{config}: not readable as JSON ({exc})")
+            continue
+        if model_type != "deepseek_v4":
+            problems.append(
+                f"{env.origin(role, index, dsv4_on[0])}={values[dsv4_on[0]]} takes DeepSeek-V4's "
+                f"SM120 attention path, but MODEL_PATH={values['MODEL_PATH']} is model_type "
+                f"{model_type!r}: set it to a DSV4 model or unset {dsv4_on[0]}"
+            )
+            break
+    return problems
