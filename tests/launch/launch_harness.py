@@ -26,9 +26,8 @@ def set_values(path: Path, **values: str) -> None:
     envfiles.set_values(path, values)
 
 
-def make_env_dir(tmp: Path, api_key: str = "") -> Path:
-    env = tmp / "env"
-    shutil.copytree(ROOT / "env", env, ignore=shutil.ignore_patterns("ab", "backups", "cpu*"))
+def set_free_ports(env: Path, run_dir: Path, **more: str) -> None:
+    """common.env of a copied env dir on free loopback ports, with its own run dir (and `more`)."""
     prefill, boot, decode, router, prom = free_loopback_ports(5)
     set_values(
         env / "common.env",
@@ -37,10 +36,15 @@ def make_env_dir(tmp: Path, api_key: str = "") -> Path:
         DECODE_PORT=str(decode),
         ROUTER_PORT=str(router),
         ROUTER_PROMETHEUS_PORT=str(prom),
-        PD_RUN_DIR=str(tmp / "run"),
-        PD_POLL_INTERVAL_S="0.2",
-        API_KEY=api_key,
+        PD_RUN_DIR=str(run_dir),
+        **more,
     )
+
+
+def make_env_dir(tmp: Path, api_key: str = "") -> Path:
+    env = tmp / "env"
+    shutil.copytree(ROOT / "env", env, ignore=shutil.ignore_patterns("ab", "backups", "cpu*"))
+    set_free_ports(env, tmp / "run", PD_POLL_INTERVAL_S="0.2", API_KEY=api_key)
     set_values(
         env / "router.env",
         ROUTER_ARGS='"--policy round_robin --health-check-interval-secs 1 '
