@@ -56,10 +56,16 @@ FLAP_S = 900.0
 FLAP_CHANGES = 4
 # The newest verify result may be this old (verify from cron or a timer, at least hourly).
 VERIFY_STALE_S = 3600.0
+# How long a decode room may stay in decode's KV quarantine (patch 0024) before
+# PDDecodeKVQuarantined fires: sglang's --watchdog-timeout (300 s) ends a prefill hung in a
+# forward, and decode's heartbeat then declares it lost, well within the minute on top.
+QUARANTINE_AFTER_S = 360.0
 # sglang's per-step token counter: it moves on every forward step (mode prefill_compute,
 # prefill_cache, decode), where sglang:generation_tokens_total moves only when a request ends.
 STEP_TOKENS = "realtime_tokens_total"
 SCHEDULER_SECONDS = ("scheduler_stage_seconds_total", "scheduler_idle_seconds_total")
+# Decode's KV quarantine (patch 0024): when the oldest room now in it entered, 0 when empty.
+QUARANTINE_SINCE = "decode_kv_quarantine_oldest_timestamp_seconds"
 METRIC_RE = re.compile(r"\b(sglang:[a-z0-9_:]+|smg_[a-z0-9_]+|sm120pd_[a-z0-9_]+|up)\b")
 EITHER_RE = re.compile(r'__name__=~"sglang\[:_\]([a-z0-9_:]+)"')
 
@@ -90,6 +96,7 @@ class Windows:
     verify_stale: float = VERIFY_STALE_S
     scrape: float = 15.0
     queue_given: bool = False
+    quarantine: float = QUARANTINE_AFTER_S
 
 
 def _max_value(stack: Stack, kind: str, key: str) -> float | None:
@@ -113,6 +120,7 @@ def windows(
     verify_stale: float = VERIFY_STALE_S,
     scrape: float = 15.0,
     queue_after: float | None = None,
+    quarantine: float = QUARANTINE_AFTER_S,
 ) -> Windows:
     """The alert windows from the env files (launch/pd env check has vetted the values). An
     instance may be down DOWN_AFTER_S when launch/pd marks its own work (PD_TEXTFILE_DIR), else
@@ -151,6 +159,7 @@ def windows(
         verify_stale=verify_stale,
         scrape=scrape,
         queue_given=queue_after is not None,
+        quarantine=quarantine,
     )
 
 
@@ -321,6 +330,26 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
                 else f"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT + {_d(w.slack)}"
             )
             + f", and decode ran no decode step in that time ({STEP_TOKENS}).",
+        ),
+        _alert(
+            "PDDecodeKVQuarantined",
+            # The age grows by itself while the room stays, so no `for:`; a gauge at 0 (no room
+            # quarantined) is no timestamp.
+            f"time() - ({_sglang(QUARANTINE_SINCE, decode)} > 0) > {w.quarantine:g}",
+            0,
+            "critical",
+            f"A decode room's KV stays quarantined. Run: {pd} logs {{{{ $labels.pd_instance }}}} "
+            f"{env}, whose KV quarantine lines name the prefill; then {triage}",
+            "{{ $labels.pd_instance }} has held a room in its KV quarantine for "
+            '{{ printf "%.0f" $value }} s: longer than monitoring\'s --quarantine-after '
+            f"({_d(w.quarantine)}). The room's pages stay out of decode's free list until "
+            "prefill acknowledges its abort (after it proved its writes to them drained) or is "
+            "proven gone (decode's heartbeat declares it lost, or sees a new prefill instance "
+            f"id at the same bootstrap address). The default, {_d(QUARANTINE_AFTER_S)}, covers "
+            "a prefill hung in a forward (sglang's --watchdog-timeout, 300 s, ends that "
+            "process) plus decode's heartbeat. A prefill stopped whole (SIGSTOP of its process "
+            "group, a frozen VM) holds the room as long as it is stopped: nothing can prove "
+            "its writes stopped.",
         ),
         _alert(
             "PDTokensHeldAfterTraffic",

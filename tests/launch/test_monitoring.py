@@ -110,7 +110,7 @@ def test_monitoring_writes_the_files_and_promtool_accepts_them(rendered: Path):
     assert "SUCCESS: 1 rule files found" in checked.stdout
     linted = promtool("check", "rules", str(rendered / "rules.yml"))
     assert linted.returncode == 0, linted.stdout + linted.stderr
-    assert "SUCCESS: 18 rules found" in linted.stdout
+    assert "SUCCESS: 19 rules found" in linted.stdout
     config = yaml.safe_load((rendered / "prometheus.yml").read_text())
     jobs = {c["job_name"]: c for c in config["scrape_configs"]}
     assert set(jobs) == {f"sm120pd-cpu-{k}" for k in (*monitoring.ROLE_KINDS, "textfile")}
@@ -149,6 +149,8 @@ def test_windows_come_from_the_env_files(rendered: Path):
         ("PDPrefillKVPinned", None): 0,
         ("PDDecodeTransferQueueStuck", None): 0,
         ("PDDecodePreallocQueueStuck", None): 0,
+        # Its age grows by itself: no `for:`.
+        ("PDDecodeKVQuarantined", None): 0,
         ("PDTokensHeldAfterTraffic", None): 300,
         ("PDSchedulerStalled", None): 0,
         ("PDInstanceDown", "prefill"): 120,
@@ -177,6 +179,10 @@ def test_windows_come_from_the_env_files(rendered: Path):
     flapping = by[("PDInstanceFlapping", None)]
     assert ranges(flapping) == {900} and limit(flapping) == monitoring.FLAP_CHANGES
     assert limit(by[("PDVerifyStale", None)]) == 3600
+    assert by[("PDDecodeKVQuarantined", None)]["expr"] == (
+        'time() - ({__name__=~"sglang[:_]decode_kv_quarantine_oldest_timestamp_seconds",'
+        'job="sm120pd-cpu-decode"} > 0) > 360'
+    )
     # Every rule that an instance's planned work would trip reads the marks.
     for key, rule in by.items():
         marked = key[0] in ("PDInstanceDown", "PDInstanceNotRouted", "PDInstanceFlapping")
@@ -230,6 +236,19 @@ def test_the_window_options_reach_the_rules(marked_env: Path, tmp_path: Path):
     for option in ("--flap-window", "--verify-stale-after"):
         bad = run_pd(*args, "--force", option, "0")
         assert bad.returncode == 2 and f"{option} must be positive" in bad.stderr
+
+
+def test_quarantine_after_is_the_bound_of_pd_decode_kv_quarantined(marked_env: Path):
+    stack = load_stack(marked_env, sim=False)
+    w = monitoring.windows(stack, 120.0, 300.0, 60.0, quarantine=90.0)
+    rules = monitoring.rules(stack, w, marked_env)["groups"][0]["rules"]
+    (rule,) = [r for r in rules if r["alert"] == "PDDecodeKVQuarantined"]
+    assert rule["expr"] == (
+        'time() - ({__name__=~"sglang[:_]decode_kv_quarantine_oldest_timestamp_seconds",'
+        'job="sm120pd-cpu-decode"} > 0) > 90'
+    )
+    description = rule["annotations"]["description"]
+    assert "longer than monitoring's --quarantine-after (90s). " in description
 
 
 def test_the_router_target_is_where_smg_serves_its_metrics_and_ipv6_is_bracketed(
@@ -1007,6 +1026,75 @@ def rule_cases(rules: list[dict], health: dict[str, int]) -> list[dict]:
     return cases
 
 
+# ---- PDDecodeKVQuarantined, its expectations written out here rather than read from the rule ----
+
+QUARANTINE_SINCE = "decode_kv_quarantine_oldest_timestamp_seconds"
+
+
+def quarantined(eng: dict, values: str, sep: str = COLON) -> dict:
+    """decode's KV quarantine (patch 0024): the Unix time its oldest room entered, 0 when none."""
+    return series(f"sglang{sep}{QUARANTINE_SINCE}", sg(eng), values)
+
+
+def quarantine_alert(env: Path, eng: dict, age: str) -> dict:
+    """PDDecodeKVQuarantined for eng's quarantine, its oldest room age seconds in."""
+    name, pd, triage = eng["pd_instance"], f"{ROOT}/launch/pd", f"{ROOT}/bench/triage"
+    return {
+        "exp_labels": sg(eng) | {"severity": "critical"},
+        "exp_annotations": {
+            "summary": f"A decode room's KV stays quarantined. Run: {pd} logs {name} "
+            f"--env-dir {env}, whose KV quarantine lines name the prefill; then {triage} "
+            f"--env-dir {env}",
+            "description": f"{name} has held a room in its KV quarantine for {age} s: longer "
+            "than monitoring's --quarantine-after (360s). The room's pages stay out of "
+            "decode's free list until prefill acknowledges its abort (after it proved its "
+            "writes to them drained) or is proven gone (decode's heartbeat declares it lost, "
+            "or sees a new prefill instance id at the same bootstrap address). The default, "
+            "360s, covers a prefill hung in a forward (sglang's --watchdog-timeout, 300 s, ends "
+            "that process) plus decode's heartbeat. A prefill stopped whole (SIGSTOP of its "
+            "process group, a frozen VM) holds the room as long as it is stopped: nothing can "
+            "prove its writes stopped.",
+        },
+    }
+
+
+def quarantine_cases(env: Path) -> list[dict]:
+    """A room enters decode's quarantine at 600 s (time() then is 600) and leaves at 1200 s;
+    the bound is 360 s, so the alert fires from 975 s (age 375) to 1185 s, not at 960 s (age
+    360, not past the bound), and not while the gauge is 0 although time() - 0 is past it."""
+    alert = "PDDecodeKVQuarantined"
+    held = "0x39 600x39 0x20"  # 0 at 0-585 s, 600 at 600-1185 s, 0 at 1200-1500 s
+    empty = "0x100"
+    return [
+        case(
+            "quarantine: a room held past 360 s fires until it leaves; another decode's empty "
+            "quarantine does not",
+            [quarantined(DECODE, held), quarantined(DECODE2, empty)],
+            (alert, 585, []),
+            (alert, 960, []),
+            (alert, 975, [quarantine_alert(env, DECODE, "375")]),
+            (alert, 1185, [quarantine_alert(env, DECODE, "585")]),
+            (alert, 1215, []),
+            (alert, 1500, []),
+        ),
+        case(
+            "quarantine: the same under OpenMetrics names, with decode busy",
+            engine(DECODE, 100, sep=OPENMETRICS, requests={"running": 3}, tokens="0+40x100")
+            + [quarantined(DECODE, held, OPENMETRICS)],
+            (alert, 960, []),
+            (alert, 975, [quarantine_alert(env, DECODE, "375")]),
+            (alert, 1215, []),
+        ),
+        case(
+            "quarantine: a room that leaves within 360 s",
+            [quarantined(DECODE, "0x39 600x20 0x40")],
+            (alert, 900, []),
+            (alert, 975, []),
+        ),
+        case("quarantine: none ever", [quarantined(DECODE, empty)], (alert, 1500, [])),
+    ]
+
+
 def health_timeouts(env: Path) -> dict[str, int]:
     stack = load_stack(env, sim=False)
     return {
@@ -1020,6 +1108,7 @@ def test_every_alert_fires_on_its_failing_series_and_not_on_healthy_ones(
 ):
     rules = rules_of(rendered)
     cases = rule_cases(rules, health_timeouts(marked_env))
+    cases += quarantine_cases(marked_env.resolve())
     names = [c["name"] for c in cases]
     assert len(names) == len(set(names)), Counter(names)
     tested = {t["alertname"] for c in cases for t in c["alert_rule_test"]}
@@ -1029,7 +1118,12 @@ def test_every_alert_fires_on_its_failing_series_and_not_on_healthy_ones(
     assert fired >= Counter(r["alert"] for r in rules), fired
     # Both spellings of sglang's names are in the inputs.
     inputs = {s["series"].split("{")[0] for c in cases for s in c["input_series"]}
-    for name in ("pd_queue_oldest_seconds", "pd_queue_requests", "realtime_tokens_total"):
+    for name in (
+        "pd_queue_oldest_seconds",
+        "pd_queue_requests",
+        "realtime_tokens_total",
+        QUARANTINE_SINCE,
+    ):
         assert {f"sglang:{name}", f"sglang_{name}"} <= inputs, name
     tests = {
         "rule_files": [str(rendered / "rules.yml")],
