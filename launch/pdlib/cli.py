@@ -440,6 +440,7 @@ def cmd_monitoring(args) -> int:
         "flap_window",
         "verify_stale_after",
         "queue_after",
+        "quarantine_after",
     ):
         value = getattr(args, option)
         if value is not None and value <= 0:
@@ -467,6 +468,7 @@ def cmd_monitoring(args) -> int:
         args.verify_stale_after,
         args.scrape_interval,
         args.queue_after,
+        quarantine=args.quarantine_after,
     )
     for path in monitoring.render(
         out_dir,
@@ -738,6 +740,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=monitoring.STALLED_AFTER_S,
         help="seconds an engine's scheduler time counters may stand still while it answers its "
         f"scrape before PDSchedulerStalled fires (default: {monitoring.STALLED_AFTER_S:g})",
+    )
+    p.add_argument(
+        "--quarantine-after",
+        type=float,
+        default=monitoring.QUARANTINE_AFTER_S,
+        help="seconds a room may stay in decode's KV quarantine before PDDecodeKVQuarantined "
+        f"fires (default: {monitoring.QUARANTINE_AFTER_S:g})",
     )
     p.set_defaults(func=cmd_monitoring)
 

@@ -144,7 +144,7 @@ def prometheus(cpu_stack, tmp_path_factory):
         tmp,
         *("--scrape-interval", "1", "--down-after", "3", "--stuck-after", "5"),
         *("--stalled-after", "8", "--queue-after", f"{QUEUE_AFTER_S:g}", "--held-after", "3"),
-        *("--flap-window", "40", "--verify-stale-after", "15"),
+        *("--flap-window", "40", "--verify-stale-after", "15", "--quarantine-after", "2"),
         *("--textfile-target", exporter.target),
     )
     yield prom
@@ -510,7 +510,9 @@ def test_prefill_stopped_mid_transfer_no_late_write_lands_in_reused_pages(cpu_st
     waits for them and then gets exactly its reference tokens and logprobs
     (engine_harness.prefill_frozen_mid_transfer). While the room waits in decode's transfer
     queue, PDDecodeTransferQueueStuck fires on its age; while its pages are quarantined and no
-    request is anywhere, PDTokensHeldAfterTraffic fires (--held-after 3); while the second
+    request is anywhere, PDTokensHeldAfterTraffic fires (--held-after 3), and
+    PDDecodeKVQuarantined fires on the room's time in the quarantine (--quarantine-after 2)
+    and resolves once the room leaves it; while the second
     request waits in the prealloc queue and decode runs no step, PDDecodePreallocQueueStuck
     fires."""
     transfer = prometheus.watch("PDDecodeTransferQueueStuck", 300, pd_instance="decode")
@@ -525,11 +527,16 @@ def test_prefill_stopped_mid_transfer_no_late_write_lands_in_reused_pages(cpu_st
         held["tokens"] = prometheus.wait_firing(
             "PDTokensHeldAfterTraffic", 30, pd_instance="decode"
         )
+        held["quarantined"] = prometheus.wait_firing(
+            "PDDecodeKVQuarantined", 30, pd_instance="decode"
+        )
 
     prefill_frozen_mid_transfer(cpu_stack, LONG_ROOM, SECOND_ROOM, while_held, while_quarantined)
     stuck = transfer.result()
     print("alerts:", json.dumps([stuck, held["prealloc"], held["tokens"]], indent=1))
     assert firing_value(held["tokens"]) >= len(LONG_ROOM["input_ids"])
+    assert firing_value(held["quarantined"]) > 2
+    prometheus.wait_resolved("PDDecodeKVQuarantined", 30)
     assert stuck["labels"]["queue"] == "decode_transfer"
     assert QUEUE_AFTER_S < firing_value(stuck) < WAITING_TIMEOUT_S + 5
     assert firing_value(held["prealloc"]) > QUEUE_AFTER_S

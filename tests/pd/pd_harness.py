@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import gc
 import json
 import multiprocessing
 import os
@@ -409,8 +410,15 @@ def run_two_ranks(rank_main) -> list:
     procs = [
         ctx.Process(target=_rank_entry, args=(rank_main, rank, port, results)) for rank in (0, 1)
     ]
-    for proc in procs:
-        proc.start()
+    # The parent's garbage (an earlier test's event loops, sockets, gloo groups) is collected
+    # here and the rest frozen: a forked rank's collector running those finalizers hung it.
+    gc.collect()
+    gc.freeze()
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        gc.unfreeze()
     outcomes = {}
     try:
         for _ in procs:

@@ -1,22 +1,32 @@
-"""The decode KV quarantine (patch 0024): a failed room's pages stay out of the free list until
-prefill acknowledges the abort or decode's heartbeat declares that prefill lost.
+"""The decode KV quarantine (patches 0024, 0029): a failed room's pages stay out of the free list
+until prefill acknowledges the abort or the prefill process the room was sent to is proven gone.
 
 Upstream's real DecodeTransferQueue over tiny real pools (pd_harness), with deferred release
-on: a room whose prefill never sends fails on decode's waiting timeout, decode sends prefill
-the ABORT (captured here instead of a socket) and holds the room. Upstream released it
+on: a room is published with the real send_metadata (its messages captured instead of a
+socket), its prefill never sends, decode fails it on its waiting timeout, sends prefill the
+ABORT and holds the room. Upstream released it
 SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT later whatever prefill did; here it
-is quarantined, logged and counted, until the ACK or the loss.
+is quarantined, logged and counted, until the ACK or the proof. The heartbeat is upstream's
+own thread (patched), fed real `requests` outcomes: a 200 from a real aiohttp server naming
+an instance id, a refused connect, a read timeout.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import socket
+import threading
 
+import numpy as np
 import pytest
-from pd_harness import WAITING_TIMEOUT_S, tick_for
+import requests
+import zmq
+from pd_harness import WAITING_TIMEOUT_S, MiniDecodeTransferQueue, run_two_ranks, tick_for
 from prometheus_client import REGISTRY
 from sglang.srt.disaggregation.common.conn import AbortAck, AbortNotification
-from sglang.srt.disaggregation.kv_quarantine import note_prefill_lost
+from sglang.srt.disaggregation.kv_quarantine import watched
+from sglang.srt.disaggregation.prefill_instance import INSTANCE_HEADER, note_route_answer
 
 DEFERRED_S = 30.0
 PREFILL = "127.0.0.1:0"  # the bootstrap address pd_harness's receivers use
@@ -24,12 +34,16 @@ QUARANTINE_LOG = "sglang.srt.disaggregation.kv_quarantine"
 
 
 class CapturedSocket:
-    """What the receiver sends prefill, without a socket."""
+    """What the receiver sends prefill, without a socket; `broken` raises as a dead peer's
+    socket does."""
 
-    def __init__(self):
+    def __init__(self, broken: bool = False):
         self.sent: list[list[bytes]] = []
+        self.broken = broken
 
     def send_multipart(self, frames) -> None:
+        if self.broken:
+            raise zmq.ZMQError(zmq.EHOSTUNREACH)
         self.sent.append(frames)
 
 
@@ -45,8 +59,10 @@ class Quarantined:
     """The transfer queue with upstream's deferred release on, and the two ticks the decode
     scheduler runs each pass (pop_transferred, then resolve_deferred_releases)."""
 
-    def __init__(self, queue, name: str):
+    def __init__(self, queue, name: str, rank_ports=(2,)):
         self.queue = queue
+        self.rank_ports = rank_ports
+        self.prefill = PREFILL
         queue.enable_deferred_kv_release = True
         queue.deferred_kv_release_timeout = DEFERRED_S
         mgr = queue.kv_manager
@@ -55,6 +71,11 @@ class Quarantined:
         mgr._deferred_abort_generation = 0
         mgr.local_ip, mgr.rank_port = "127.0.0.1", 1
         mgr.prefill_info_table, mgr.heartbeat_failures = {}, {}
+        mgr.enable_staging = False
+        mgr.build_receiver_metadata_message = lambda bootstrap_room, **_: [
+            b"META",
+            str(bootstrap_room).encode(),
+        ]
         queue.scheduler.token_to_kv_pool_allocator = queue.token_to_kv_pool_allocator
         self.socket = CapturedSocket()
         self.outcomes: list[str] = []
@@ -65,11 +86,28 @@ class Quarantined:
         )
         self.labels = collector.labels
 
-    def admit(self, rid: str, room: int):
+    def admit(self, rid: str, room: int, reachable: int | None = None):
+        """The room through the prealloc queue and upstream's send_metadata to every prefill
+        rank, or to the first `reachable` ones only (the next one's socket fails)."""
         decode_req = self.queue.admit_preallocated(rid, room=room)
         receiver = decode_req.kv_receiver
-        receiver.bootstrap_infos = [{"rank_ip": "127.0.0.1", "rank_port": 2}]
-        receiver._connect_to_bootstrap_server = lambda info: (self.socket, NoLock())
+        receiver.bootstrap_addr = self.prefill
+        receiver.init_time = None
+        receiver.required_dst_info_num = 1
+        receiver.bootstrap_infos = [
+            {"rank_ip": "127.0.0.1", "rank_port": port, "is_dummy": False}
+            for port in self.rank_ports
+        ]
+        broken = CapturedSocket(broken=True)
+
+        def connect(info):
+            index = self.rank_ports.index(info["rank_port"])
+            return (broken if reachable is not None and index >= reachable else self.socket), (
+                NoLock()
+            )
+
+        receiver._connect_to_bootstrap_server = connect
+        receiver.send_metadata(np.arange(room % 7, room % 7 + 5, dtype=np.int32))
         return decode_req
 
     def tick(self) -> list:
@@ -78,7 +116,7 @@ class Quarantined:
         return done
 
     def abort_sent(self, room: int) -> AbortNotification:
-        (frames,) = [f for f in self.socket.sent if int(f[1]) == room]
+        (frames,) = [f for f in self.socket.sent if f[0] == b"ABORT" and int(f[1]) == room]
         return AbortNotification.from_zmq(frames)
 
     def ack(self, room: int) -> None:
@@ -96,8 +134,8 @@ def held(transfer_queue, request) -> Quarantined:
     return Quarantined(transfer_queue, request.node.name)
 
 
-def fail_on_the_waiting_timeout(held: Quarantined, clock, rid: str, room: int):
-    decode_req = held.admit(rid, room)
+def fail_on_the_waiting_timeout(held: Quarantined, clock, rid: str, room: int, **admit):
+    decode_req = held.admit(rid, room, **admit)
     assert held.tick() == []
     tick_for(held, clock, WAITING_TIMEOUT_S)
     assert held.queue.queue == [] and held.queue.scheduler.output_streamer.streamed
@@ -146,36 +184,204 @@ def test_an_unacknowledged_room_stays_quarantined_past_the_timeout_until_prefill
     assert held.outcomes == ["drained"]
 
 
-def test_a_quarantined_room_is_released_once_decodes_heartbeat_declares_its_prefill_lost(
-    held, clock, caplog
+class Prefill:
+    """A real bootstrap server (upstream's CommonKVBootstrapServer, patched to name its
+    instance) on a loopback port, which can be stopped, restarted on the same port, or
+    replaced by a socket that accepts and never answers."""
+
+    def __init__(self):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.addr = f"127.0.0.1:{self.port}"
+        self.server = None
+        self.silent = None
+
+    def start(self) -> str:
+        from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+
+        self.server = CommonKVBootstrapServer("127.0.0.1", self.port)
+        return wait_answering(self.addr)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server.thread.join(timeout=10)
+            self.server = None
+        if self.silent is not None:
+            self.silent.close()
+            self.silent = None
+
+    def hang(self) -> None:
+        """Stopped, not gone: connects are accepted (the kernel's backlog) and never answered."""
+        self.stop()
+        self.silent = socket.socket()
+        self.silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.silent.bind(("127.0.0.1", self.port))
+        self.silent.listen(16)
+
+
+def wait_answering(addr: str) -> str:
+    """The instance id of the bootstrap server at `addr`, once it answers."""
+    for _ in range(200):
+        try:
+            return requests.get(f"http://{addr}/health", timeout=1).headers[INSTANCE_HEADER]
+        except requests.ConnectionError:
+            threading.Event().wait(0.05)
+    raise AssertionError(f"no bootstrap server answered at {addr}")
+
+
+class Heartbeat:
+    """Upstream's heartbeat thread (patched) on the decode manager, beating every 50 ms."""
+
+    def __init__(self, mgr, addr: str):
+        self.mgr = mgr
+        mgr.prefill_info_table = {addr: "its parallel info"}
+        mgr.heartbeat_interval, mgr.max_failures = 0.05, 2
+        mgr.session_pool = collections.defaultdict(requests.Session)
+        mgr.session_pool_lock = threading.Lock()
+        mgr._heartbeat_shutdown = threading.Event()
+        self.thread = mgr._start_heartbeat_checker_thread()
+
+    def stop(self) -> None:
+        self.mgr._heartbeat_shutdown.set()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def prefill(held):
+    """A started prefill whose id decode took from its answer (as from /route's), and decode's
+    heartbeat on it; both stopped at the end."""
+    server = Prefill()
+    server.start()
+    mgr = held.queue.kv_manager
+    note_route_answer(mgr, server.addr, requests.get(f"http://{server.addr}/health", timeout=5))
+    held.prefill = server.addr
+    beat = Heartbeat(mgr, server.addr)
+    yield server
+    beat.stop()
+    server.stop()
+    for session in mgr.session_pool.values():
+        session.close()
+
+
+def wait_until(condition, seconds: float = 30) -> None:
+    for _ in range(int(seconds / 0.05)):
+        if condition():
+            return
+        threading.Event().wait(0.05)
+    raise AssertionError("timed out")
+
+
+def wait_released(held: Quarantined, clock, before: dict, seconds: float = 30) -> None:
+    """Ticks (the fake clock moving a second each) while the real heartbeat runs, until the
+    room's pages are free again."""
+    for _ in range(int(seconds / 0.05)):
+        held.tick()
+        if held.queue.free_counts() == before:
+            return
+        clock.advance(1)
+        threading.Event().wait(0.05)
+    raise AssertionError(f"still held: {held.queue.free_counts()} != {before}")
+
+
+def quarantine(held: Quarantined, clock, rid: str, room: int, **admit) -> dict:
+    """A room published, failed on the waiting timeout and quarantined; the free counts from
+    before it."""
+    before = held.queue.free_counts()
+    fail_on_the_waiting_timeout(held, clock, rid, room, **admit)
+    tick_for(held, clock, DEFERRED_S + 5)
+    assert held.metric("sglang:decode_kv_quarantined_rooms") == 1
+    return before
+
+
+def test_a_prefill_restarted_within_the_heartbeats_window_frees_the_room_by_its_new_id(
+    held, prefill, clock, caplog
+):
+    """The bootstrap port is closed for well under two beats: upstream's count of misses never
+    reaches its limit, yet the room's process is gone. Its new id says so."""
+    caplog.set_level(logging.INFO)
+    before = quarantine(held, clock, "restarted-prefill", room=42)
+    old = wait_answering(prefill.addr)
+    prefill.stop()
+    new = prefill.start()
+    assert new != old
+    wait_released(held, clock, before)
+    assert held.metric("sglang:decode_kv_quarantined_rooms") == 0
+    assert held.metric("sglang:decode_kv_quarantine_oldest_timestamp_seconds") == 0
+    assert f"Prefill at {prefill.addr} restarted (instance {new}, was {old})" in caplog.text
+    assert f"prefill {prefill.addr} restarted (another process answers" in caplog.text
+    assert held.outcomes == ["prefill_restarted"]
+
+
+def test_a_prefill_whose_port_refuses_the_heartbeat_is_gone_and_frees_the_room(
+    held, prefill, clock, caplog
 ):
     caplog.set_level(logging.INFO, logger=QUARANTINE_LOG)
+    before = quarantine(held, clock, "gone-prefill", room=43)
+    prefill.stop()
+    wait_released(held, clock, before)
+    assert f"prefill {prefill.addr} is gone (decode's heartbeat was refused there)" in caplog.text
+    assert held.outcomes == ["prefill_lost"]
+
+
+def test_a_prefill_that_only_times_out_holds_the_room_until_it_is_refused(
+    held, prefill, clock, caplog
+):
+    """Beats that time out prove nothing (a prefill stopped whole misses them and writes when it
+    runs again): upstream's verdict comes, the room stays held, and the heartbeat keeps beating
+    the address after upstream dropped it; a refusal then frees the room."""
+    caplog.set_level(logging.INFO, logger=QUARANTINE_LOG)
+    before = quarantine(held, clock, "stopped-prefill", room=44)
+    held_counts = held.queue.free_counts()
+    prefill.hang()
+    mgr = held.queue.kv_manager
+    # Upstream's heartbeat waits 3 s for each answer: two misses, then its verdict.
+    wait_until(lambda: prefill.addr not in mgr.prefill_info_table)
+    tick_for(held, clock, 600, step=60)
+    assert held.queue.free_counts() == held_counts
+    assert f"Prefill {prefill.addr} misses decode's heartbeats, but none was refused" in (
+        caplog.text
+    )
+    assert watched(mgr, mgr.prefill_info_table) == [prefill.addr]
+    prefill.stop()
+    wait_released(held, clock, before)
+    assert held.outcomes == ["prefill_lost"]
+
+
+def test_a_half_published_room_is_freed_once_its_prefill_is_gone(held, prefill, clock):
+    """Two prefill ranks; the room's metadata reached the first, the send to the second failed,
+    so upstream never set its init_time: the first rank may write, and a loss must count."""
+    held.rank_ports = (2, 3)
     before = held.queue.free_counts()
-    fail_on_the_waiting_timeout(held, clock, "lost-prefill", room=42)
-    tick_for(held, clock, DEFERRED_S + 60)
-    assert held.metric("sglang:decode_kv_quarantined_rooms") == 1
-
-    # The heartbeat thread's verdict (SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE missed beats).
-    held.queue.kv_manager._handle_node_failure(PREFILL)
-    assert held.tick() == []
-    assert held.queue.free_counts() == before
-    assert held.metric("sglang:decode_kv_quarantined_rooms") == 0
-    assert f"prefill {PREFILL} was declared lost by decode's heartbeat" in caplog.text
-    assert held.outcomes == ["timeout"]
-
-
-def test_a_loss_declared_before_the_room_sent_its_destinations_does_not_release_it(held, clock):
-    """That loss was another prefill generation's: the one at that address now may write."""
-    note_prefill_lost(held.queue.kv_manager, PREFILL)
-    clock.advance(1)
-    fail_on_the_waiting_timeout(held, clock, "new-generation", room=43)
-    counts = held.queue.free_counts()
-    tick_for(held, clock, DEFERRED_S + 600, step=10)
-    assert held.queue.free_counts() == counts
-    assert held.metric("sglang:decode_kv_quarantined_rooms") == 1
-    held.ack(43)
+    decode_req = held.admit("half-published", room=45, reachable=1)
+    assert decode_req.kv_receiver.init_time is None
+    assert [f[0] for f in held.socket.sent] == [b"META"]
     held.tick()
-    assert held.metric("sglang:decode_kv_quarantined_rooms") == 0
+    assert held.queue.queue == [] and held.queue.scheduler.output_streamer.streamed
+    tick_for(held, clock, DEFERRED_S + 5)
+    assert held.metric("sglang:decode_kv_quarantined_rooms") == 1
+    prefill.stop()
+    wait_released(held, clock, before)
+    assert held.outcomes == ["prefill_lost"]
+
+
+def test_a_loss_proven_before_the_room_sent_its_destinations_does_not_release_it(
+    held, prefill, clock
+):
+    """That loss was another prefill generation's: the one at that address now may write."""
+    mgr = held.queue.kv_manager
+    prefill.stop()
+    wait_until(lambda: prefill.addr not in mgr.prefill_info_table)
+    clock.advance(1)
+    before = quarantine(held, clock, "new-generation", room=46)
+    counts = held.queue.free_counts()
+    tick_for(held, clock, 600, step=10)
+    assert held.queue.free_counts() == counts
+    held.ack(46)
+    held.tick()
+    assert held.queue.free_counts() == before
+    assert held.outcomes == ["drained"]
 
 
 def test_an_ack_within_the_timeout_releases_the_room_without_a_quarantine(held, clock, caplog):
@@ -208,3 +414,37 @@ def test_a_rank_other_than_0_quarantines_and_publishes_nothing(transfer_queue, c
     held.ack(43)
     assert held.tick() == []
     assert held.queue.free_counts() == before
+
+
+def _rank_main_one_ack(rank, group, clock) -> dict:
+    """Both ranks fail the room; only rank 0's prefill rank acknowledges."""
+    queue = MiniDecodeTransferQueue(group)
+    queue.scheduler.metrics_reporter.current_scheduler_metrics_enabled = rank == 0
+    held = Quarantined(queue, f"two-ranks-{rank}")
+    before = held.queue.free_counts()
+    fail_on_the_waiting_timeout(held, clock, "one-ack", room=47)
+    if rank == 0:
+        held.ack(47)
+    tick_for(held, clock, DEFERRED_S + 600, step=10)
+    seen = {
+        "held": held.queue.free_counts() != before,
+        "rooms": held.metric("sglang:decode_kv_quarantined_rooms"),
+        "total": held.metric("sglang:decode_kv_quarantines_total"),
+    }
+    if rank == 1:
+        held.ack(47)
+    held.tick()
+    seen["released"] = held.queue.free_counts() == before
+    seen["outcomes"] = held.outcomes
+    return seen
+
+
+def test_two_ranks_one_unacknowledged_hold_the_room_on_both_and_count_it_once():
+    """Rank 0 has its ACK, rank 1 has none: the MIN all-reduce holds the room on both, and rank
+    0, the only rank that publishes, counts it although its own ACK came."""
+    rank0, rank1 = run_two_ranks(_rank_main_one_ack)
+    assert rank0["held"] and rank1["held"]
+    assert (rank0["rooms"], rank0["total"]) == (1, 1)
+    assert (rank1["rooms"], rank1["total"]) == (None, None)
+    assert rank0["released"] and rank1["released"]
+    assert rank0["outcomes"] == rank1["outcomes"] == ["drained"]
