@@ -693,6 +693,38 @@ def prefill_frozen_mid_transfer(
     serves_a_fresh_request(stack)
 
 
+# Patch 0030's fault point: while the file it names exists, prefill's next NIXL post goes out
+# and is then reported failed (the file is removed).
+POST_ERROR_FAULT = "SM120PD_FAULT_NIXL_POST_ERROR_FILE"
+DRAIN_PROVEN = re.compile(r"NIXL room (\d+) proven drained in [\d.]+s: (\d+) handle\(s\) settled")
+
+
+def post_error_room_drained(stack: Stack, fault: Path, body: dict) -> str:
+    """A NIXL post error on prefill, for real (patch 0030's fault point): the post goes out and
+    prefill is told it failed, so the rejected request's writes may still land. Upstream then
+    poisoned the room and a live prefill never acknowledged its abort, so decode held its pages
+    until its deferred-release timeout, and with patch 0024 for good. Here prefill settles the
+    room's handles, fences decode, and acknowledges: decode is idle again before that timeout,
+    no room was quarantined, and the stack serves the next request. Returns prefill's log line."""
+    ready(stack)
+    quarantines_before = stack.metrics("decode").get(QUARANTINES, 0.0)
+    proven_before = len(DRAIN_PROVEN.findall(stack.log("prefill")))
+    fault.write_text("")
+    started = time.monotonic()
+    call = Call(stack, body)
+    call.run()
+    assert call.status is not None and call.status >= 400, (call.status, call.text[:2000])
+    assert not fault.exists()  # the fault fired
+    wait_idle(stack, "decode", timeout_s=DEFERRED_RELEASE_S / 2)
+    assert len(DRAIN_PROVEN.findall(stack.log("prefill"))) > proven_before, stack.log("prefill")[
+        -3000:
+    ]
+    assert time.monotonic() - started < DEFERRED_RELEASE_S
+    assert stack.metrics("decode").get(QUARANTINES, 0.0) == quarantines_before
+    serves_a_fresh_request(stack)
+    return [ln for ln in stack.log("prefill").splitlines() if DRAIN_PROVEN.search(ln)][-1]
+
+
 def decode_frozen_after_bootstrap(stack: Stack) -> None:
     """Decode has bootstrapped the room, then stops (its scheduler, which drives its side of
     the NIXL transfer): prefill's KV send never concludes, and patch 0003 fails the request

@@ -30,6 +30,7 @@ import psutil
 import pytest
 import yaml
 from engine_harness import (
+    POST_ERROR_FAULT,
     ROOT,
     NodeExporter,
     Prometheus,
@@ -40,6 +41,7 @@ from engine_harness import (
     loads_files_of,
     multiround,
     pd,
+    post_error_room_drained,
     prefill_frozen_mid_transfer,
     ready,
     resume,
@@ -117,7 +119,7 @@ def cpu_stack(tmp_path_factory):
         GREEDY,
         WAITING_TIMEOUT_S,
         INFLIGHT_TIMEOUT_S,
-        common={maintenance.VARIABLE: str(tmp / "textfile")},
+        common={maintenance.VARIABLE: str(tmp / "textfile"), POST_ERROR_FAULT: str(tmp / "fault")},
         args=STACK_ARGS,
     )
     yield stack
@@ -543,6 +545,16 @@ def test_prefill_stopped_mid_transfer_no_late_write_lands_in_reused_pages(cpu_st
     assert "ran no decode step" in held["prealloc"]["annotations"]["description"]
     prometheus.wait_resolved("PDDecodeTransferQueueStuck", 30)
     prometheus.wait_resolved("PDDecodePreallocQueueStuck", 30)
+
+
+def test_a_room_whose_nixl_post_failed_is_acknowledged_once_prefill_proved_it_drained(cpu_stack):
+    """Patch 0030 on real engines: a NIXL post error on prefill (the fault point the stack's
+    common.env names), and decode frees the room's pages on prefill's acknowledgement, well
+    before the deferred-release timeout (engine_harness.post_error_room_drained)."""
+    fault = Path(envfiles.EnvDir(cpu_stack.env_dir).common()[POST_ERROR_FAULT])
+    line = post_error_room_drained(cpu_stack, fault, cpu_stack.body)
+    print(line)
+    assert "fenced to" in line and "no decode agent" not in line
 
 
 def test_decode_frozen_after_bootstrap_prefill_fails_after_the_inflight_timeout(

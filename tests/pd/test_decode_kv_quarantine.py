@@ -14,6 +14,7 @@ an instance id, a refused connect, a read timeout.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import socket
 import threading
@@ -27,6 +28,7 @@ from prometheus_client import REGISTRY
 from sglang.srt.disaggregation.common.conn import AbortAck, AbortNotification
 from sglang.srt.disaggregation.kv_quarantine import watched
 from sglang.srt.disaggregation.prefill_instance import INSTANCE_HEADER, note_route_answer
+from sglang.srt.observability.metrics_collector import SchedulerMetricsCollector
 
 DEFERRED_S = 30.0
 PREFILL = "127.0.0.1:0"  # the bootstrap address pd_harness's receivers use
@@ -55,6 +57,33 @@ class NoLock:
         return False
 
 
+class ReleaseOutcomes:
+    """The counter family upstream's observe_decode_deferred_kv_release increments: records the
+    outcome label of each release it accepted (it raises on an outcome it does not know)."""
+
+    def __init__(self, outcomes: list):
+        self.outcomes = outcomes
+
+    def labels(self, outcome: str) -> ReleaseOutcomes:
+        self.outcomes.append(outcome)
+        return self
+
+    def inc(self, amount: int) -> None:
+        pass
+
+
+class ReleaseCollector:
+    """The fields of upstream's collector that its observe_decode_deferred_kv_release reads."""
+
+    def __init__(self, outcomes: list):
+        self.labels = {}
+        self.decode_deferred_kv_release_seconds = None
+        self.decode_deferred_kv_release_total = ReleaseOutcomes(outcomes)
+
+    def _log_histogram(self, histogram, value) -> None:
+        pass
+
+
 class Quarantined:
     """The transfer queue with upstream's deferred release on, and the two ticks the decode
     scheduler runs each pass (pop_transferred, then resolve_deferred_releases)."""
@@ -81,8 +110,9 @@ class Quarantined:
         self.outcomes: list[str] = []
         collector = queue.scheduler.metrics_collector
         collector.labels = {"quarantine_test": name}
-        collector.observe_decode_deferred_kv_release = lambda duration_seconds, outcome: (
-            self.outcomes.append(outcome)
+        collector.observe_decode_deferred_kv_release = functools.partial(
+            SchedulerMetricsCollector.observe_decode_deferred_kv_release,
+            ReleaseCollector(self.outcomes),
         )
         self.labels = collector.labels
 

@@ -15,9 +15,10 @@ remote write has stopped".
 
 Here the timeout no longer releases. A held room that outlives it is quarantined: its pages
 stay allocated to the failed request until one of two proofs that no write for it can land:
-- prefill's ACK, sent once every handle of the room settled (a room prefill poisoned, its
-  writes unseen after a post error or a handle still running 5 s after a failure, is never
-  ACKed by a live prefill: it ends by the second case only);
+- prefill's ACK, sent once every handle of the room settled; a room whose writes prefill could
+  not see settle (a post error, a handle still running after a failure) is ACKed once prefill
+  proved them drained (nixl_drain_proof), and a prefill that cannot prove it exits, which is
+  the second case;
 - the prefill process the room was sent to is gone: decode's heartbeat declared it lost
   (`CommonKVManager._handle_node_failure`: SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE missed
   beats), or saw another process answer at its bootstrap address (prefill_instance), after the
@@ -80,6 +81,8 @@ QUEUE_ATTR = "sm120pd_kv_quarantine"
 DRAINED = "drained"
 PREFILL_LOST = "prefill_lost"
 PREFILL_RESTARTED = "prefill_restarted"
+# The outcomes upstream's observe_decode_deferred_kv_release accepts besides its own.
+RELEASE_OUTCOMES = (PREFILL_LOST, PREFILL_RESTARTED)
 WHY = {
     DRAINED: "prefill acknowledged the abort",
     PREFILL_LOST: "prefill {addr} is gone (decode's heartbeat was refused there) since the "
