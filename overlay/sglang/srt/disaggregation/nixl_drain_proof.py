@@ -93,9 +93,8 @@ def prove_drained(mgr: Any, room: int, handles: list, transfer_infos: dict | Non
     running = _settle(mgr.agent, pending, deadline)
     if running:
         _exit(room, f"{running} of its {len(pending)} NIXL handle(s) still running")
-    peers = sorted(
-        name for name, info in (transfer_infos or {}).items() if not getattr(info, "is_dummy", False)
-    )
+    infos = transfer_infos or {}
+    peers = sorted(name for name, info in infos.items() if not getattr(info, "is_dummy", False))
     for peer in peers:
         outcome = _fence(mgr, peer, deadline)
         if outcome is None:
