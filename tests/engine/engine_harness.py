@@ -36,12 +36,12 @@ from launch.pdlib.promtext import sample_sums  # noqa: E402
 from launch.pdlib.stack import free_loopback_ports  # noqa: E402
 
 UP_TIMEOUT_S = 420
-# Upstream's SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (default 30 s, not set
-# here): decode holds a failed room's KV until prefill acknowledges the abort (a late write
-# from prefill could otherwise land in pages given to another request). Upstream released it
-# anyway after this long; with patch 0024 the room is quarantined then, its pages held until
-# prefill acknowledges or decode's heartbeat declares prefill lost.
-DEFERRED_RELEASE_S = 30
+# Upstream's SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (default 30 s; the fault
+# stacks set this, so the quarantine tests wait less): decode holds a failed room's KV until
+# prefill acknowledges the abort (a late write from prefill could otherwise land in pages given
+# to another request). Upstream released it anyway after this long; with patch 0024 the room
+# is quarantined then, its pages held until prefill acknowledges or is proven gone.
+DEFERRED_RELEASE_S = 10
 # Tries at a fault that races the engines' own timing (see its test), each on a stack at rest.
 FAULT_ATTEMPTS = 4
 
@@ -138,7 +138,8 @@ def start_fault_stack(
 ) -> Stack:
     """`launch/pd up` from a copy of env/SRC in `tmp`, set up for the fault tests: free loopback
     ports, a fresh API key, KV over TCP only (decode_frozen_after_bootstrap says why), decode's
-    waiting and prefill's inflight timeouts as given, and the router's retries off (a retry
+    waiting and prefill's inflight timeouts as given, decode's deferred release at
+    DEFERRED_RELEASE_S, and the router's retries off (a retry
     would hide an engine's failure from the client). `common` adds common.env values, `args`
     server flags per engine role, after the env file's (sglang takes a repeated flag's last
     value). On a failed `up` it stops what started and fails with the three logs' tails."""
@@ -158,7 +159,11 @@ def start_fault_stack(
     }
     envfiles.set_values(env_dir / "common.env", values | (common or {}))
     envfiles.set_values(
-        env_dir / "decode.env", {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": f"{waiting_s:g}"}
+        env_dir / "decode.env",
+        {
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": f"{waiting_s:g}",
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": f"{DEFERRED_RELEASE_S:g}",
+        },
     )
     envfiles.set_values(
         env_dir / "prefill.env", {"SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT": f"{inflight_s:g}"}
@@ -598,6 +603,57 @@ def prefill_frozen(stack: Stack) -> None:
     serves_a_fresh_request(stack)
 
 
+# Seconds between decode's heartbeats (upstream's SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL,
+# default 5 s, not set here) and the misses that make its verdict (..._MAX_FAILURE, 2).
+HEARTBEAT_S = 5
+HEARTBEAT_MISSES = 2
+
+
+def prefill_restarted_while_quarantined(stack: Stack) -> tuple[str, float]:
+    """Patch 0029 on real engines. As prefill_frozen, a room is quarantined while prefill's
+    scheduler is stopped; then `launch/pd restart prefill` at once. The old process never
+    acknowledges, and upstream freed the room only if the bootstrap port stayed closed for
+    HEARTBEAT_MISSES beats. Here decode frees it on the first beat that reaches the new process
+    (its new instance id), or on refused beats while the port is closed, whichever comes
+    first: within one heartbeat interval after the new process answers, or the misses' time.
+    Returns decode's line for the room and the seconds from the restart's end to it."""
+    ready(stack)
+    quarantines_before = stack.metrics("decode").get(QUARANTINES, 0.0)
+    prefill = stack.schedulers("prefill")
+    suspend(prefill)
+    try:
+        call = Call(stack, stack.body)
+        call.start()
+        room = failed_on_the_waiting_timeout(stack, call)
+        wait_quarantined(stack, room, quarantines_before)
+        restarting = time.monotonic()
+        done = pd(stack.env_dir, "restart", "prefill", timeout=300)
+    except BaseException:
+        resume(prefill)
+        raise
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    restarted = time.monotonic()
+    left = re.compile(
+        rf"KV quarantine: room {room} \(rid \w+\) leaves after [\d.]+s, its \d+ KV tokens "
+        rf"released: prefill \S+ (restarted \(another process answers|is gone \(decode's "
+        rf"heartbeat was refused)"
+    )
+    wait_for(
+        lambda: left.search(stack.log("decode")),
+        HEARTBEAT_S * (HEARTBEAT_MISSES + 2),
+        f"decode releasing room {room} after prefill's restart",
+        lambda: stack.log("decode")[-3000:],
+    )
+    line = left.search(stack.log("decode")).group(0)
+    took = time.monotonic() - restarted
+    assert time.monotonic() - restarting < 300
+    wait_idle(stack, "decode")
+    metrics = stack.metrics("decode")
+    assert metrics[QUARANTINED] == 0 and metrics[QUARANTINED_TOKENS] == 0, metrics
+    serves_a_fresh_request(stack)
+    return line, took
+
+
 # Bounds on the steps that stop prefill's scheduler just after it starts a room.
 STEP_S = 0.01
 MAX_STEPS = 400
@@ -710,16 +766,15 @@ def post_error_room_drained(stack: Stack, fault: Path, body: dict) -> str:
     quarantines_before = stack.metrics("decode").get(QUARANTINES, 0.0)
     proven_before = len(DRAIN_PROVEN.findall(stack.log("prefill")))
     fault.write_text("")
-    started = time.monotonic()
     call = Call(stack, body)
     call.run()
     assert call.status is not None and call.status >= 400, (call.status, call.text[:2000])
     assert not fault.exists()  # the fault fired
-    wait_idle(stack, "decode", timeout_s=DEFERRED_RELEASE_S / 2)
+    # Idle before the deferred-release timeout, and no quarantine: the ACK came.
+    wait_idle(stack, "decode", timeout_s=DEFERRED_RELEASE_S)
     assert len(DRAIN_PROVEN.findall(stack.log("prefill"))) > proven_before, stack.log("prefill")[
         -3000:
     ]
-    assert time.monotonic() - started < DEFERRED_RELEASE_S
     assert stack.metrics("decode").get(QUARANTINES, 0.0) == quarantines_before
     serves_a_fresh_request(stack)
     return [ln for ln in stack.log("prefill").splitlines() if DRAIN_PROVEN.search(ln)][-1]

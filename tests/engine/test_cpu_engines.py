@@ -43,6 +43,7 @@ from engine_harness import (
     pd,
     post_error_room_drained,
     prefill_frozen_mid_transfer,
+    prefill_restarted_while_quarantined,
     ready,
     resume,
     serves_a_fresh_request,
@@ -800,6 +801,15 @@ def test_requests_held_through_a_stalled_proxy_before_idle_engines_fire_the_aler
     for log in stalls:
         assert "stall: request 1 on connection from" in log and "(/generate)" in log, log
     serves_a_fresh_request(cpu_stack)
+
+
+def test_prefill_restarted_while_a_room_is_quarantined_frees_the_room(cpu_stack):
+    """A room quarantined while prefill's scheduler is stopped, then `launch/pd restart prefill`
+    at once: decode frees the room's pages by the new prefill's instance id or by the refused
+    beats while its port was closed (engine_harness.prefill_restarted_while_quarantined), where
+    a restart quicker than two heartbeats left them held for good."""
+    line, took = prefill_restarted_while_quarantined(cpu_stack)
+    print(f"{took:.1f} s after the restart: {line}")
 
 
 def test_decode_killed_mid_stream_the_client_sees_an_error_and_co_restart_recovers(
