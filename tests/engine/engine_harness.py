@@ -578,11 +578,11 @@ def wait_quarantine_lifted(stack: Stack, room: int) -> None:
     assert metrics[QUARANTINED] == 0 and metrics[QUARANTINED_TOKENS] == 0, metrics
 
 
-def prefill_frozen(stack: Stack) -> None:
-    """Decode bootstraps the room and waits for KV that never comes (prefill's scheduler is
-    stopped): it fails the request after SGLANG_DISAGGREGATION_WAITING_TIMEOUT. The room's
-    pages stay quarantined while prefill is stopped (patch 0024), and are released once
-    prefill runs again and acknowledges the abort."""
+def quarantined_while_prefill_stopped(stack: Stack) -> tuple[list[psutil.Process], int]:
+    """Decode bootstraps a room and waits for KV that never comes (prefill's scheduler is
+    stopped): it fails the request after SGLANG_DISAGGREGATION_WAITING_TIMEOUT, and the room's
+    pages stay quarantined while prefill is stopped (patch 0024). Returns prefill's stopped
+    scheduler processes, still stopped, and the room (on a failure they run again)."""
     ready(stack)
     failed_before = stack.metrics("decode").get(FAILED, 0.0)
     quarantines_before = stack.metrics("decode").get(QUARANTINES, 0.0)
@@ -595,8 +595,17 @@ def prefill_frozen(stack: Stack) -> None:
         wait_quarantined(stack, room, quarantines_before)
         assert loads.held(stack.loads("decode")).get("num_used_tokens", 0) > 0
         assert stack.metrics("decode")[FAILED] == failed_before + decode_ranks(stack)
-    finally:
+    except BaseException:
         resume(prefill)
+        raise
+    return prefill, room
+
+
+def prefill_frozen(stack: Stack) -> None:
+    """A room quarantined while prefill is stopped (quarantined_while_prefill_stopped) is
+    released once prefill runs again and acknowledges the abort."""
+    prefill, room = quarantined_while_prefill_stopped(stack)
+    resume(prefill)
     wait_quarantine_lifted(stack, room)
     wait_idle(stack, "decode")
     wait_idle(stack, "prefill", timeout_s=60)
@@ -610,23 +619,17 @@ HEARTBEAT_MISSES = 2
 
 
 def prefill_restarted_while_quarantined(stack: Stack) -> tuple[str, float]:
-    """Patch 0029 on real engines. As prefill_frozen, a room is quarantined while prefill's
-    scheduler is stopped; then `launch/pd restart prefill` at once. The old process never
-    acknowledges, and upstream freed the room only if the bootstrap port stayed closed for
-    HEARTBEAT_MISSES beats. Here decode frees it on the first beat that reaches the new process
-    (its new instance id), or on refused beats while the port is closed, whichever comes
-    first: within one heartbeat interval after the new process answers, or the misses' time.
+    """Patch 0029 on real engines. A room quarantined while prefill's scheduler is stopped
+    (quarantined_while_prefill_stopped), then `launch/pd restart prefill` at once. The old
+    process never acknowledges, and upstream freed the room only if the bootstrap port stayed
+    closed for HEARTBEAT_MISSES beats. Here decode frees it on the first beat that reaches the
+    new process (its new instance id), or on refused beats while the port is closed, whichever
+    comes first: within one heartbeat interval after the new process answers, or the misses'
+    time.
     Returns decode's line for the room and the seconds from the restart's end to it."""
-    ready(stack)
-    quarantines_before = stack.metrics("decode").get(QUARANTINES, 0.0)
-    prefill = stack.schedulers("prefill")
-    suspend(prefill)
+    prefill, room = quarantined_while_prefill_stopped(stack)
+    restarting = time.monotonic()
     try:
-        call = Call(stack, stack.body)
-        call.start()
-        room = failed_on_the_waiting_timeout(stack, call)
-        wait_quarantined(stack, room, quarantines_before)
-        restarting = time.monotonic()
         done = pd(stack.env_dir, "restart", "prefill", timeout=300)
     except BaseException:
         resume(prefill)
