@@ -32,7 +32,7 @@ listens at the address: the process is gone) or another process answered. Beats 
 time out leave the prefill unreachable, not gone: a prefill stopped whole (SIGSTOP of its
 process group, a frozen VM, a host cut off) misses them too and may write when it runs again,
 so its rooms stay held while it is stopped, and the heartbeat keeps watching the address
-(prefill_watch) until it is refused, restarted or answering again (then its ACK comes). A
+(`watched`) until it is refused or restarted; when it runs again its ACK ends its rooms. A
 prefill whose scheduler alone is stopped answers every beat and holds its rooms the same way.
 A prefill hung in a forward is ended by sglang's own watchdog (--watchdog-timeout, 300 s),
 and then it is gone.
@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sglang.srt.disaggregation.prefill_instance import RESTARTED_ATTR, take_restarted
+from sglang.srt.disaggregation.prefill_instance import take_restarted
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +110,9 @@ def note_beat(kv_mgr: Any, bootstrap_addr: str, error: BaseException | None) -> 
     """One heartbeat to `bootstrap_addr`: answered 200 (error None) or failed with `error`."""
     refused = _attr(kv_mgr, REFUSED_ATTR, set)
     if error is None:
+        # An unreachable prefill answering again stays watched: its ACK ends its rooms, and if
+        # it never comes, a later refusal or restart still does.
         refused.discard(bootstrap_addr)
-        # Answering again with the same id: the prefill runs, and its ACK path with it.
-        if bootstrap_addr not in getattr(kv_mgr, RESTARTED_ATTR, ()):
-            _attr(kv_mgr, UNPROVEN_ATTR, set).discard(bootstrap_addr)
     elif _is_refusal(error):
         refused.add(bootstrap_addr)
 
@@ -132,8 +131,8 @@ def _is_refusal(error: BaseException) -> bool:
 
 
 def watched(kv_mgr: Any, addresses) -> list[str]:
-    """The addresses the heartbeat beats: upstream's, plus every unreachable prefill, so that a
-    frozen prefill's rooms end when it is refused, restarted or running again."""
+    """The addresses the heartbeat beats: upstream's, plus every prefill whose verdict proved
+    nothing, so that a frozen prefill's rooms end when it is refused or restarted."""
     extra = getattr(kv_mgr, UNPROVEN_ATTR, set())
     return list(addresses) + sorted(extra.difference(addresses))
 
