@@ -63,14 +63,14 @@ _DOT_DTYPE = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
 
 @triton.jit
 def _gather_tile(cache, idx, page_bytes, PAGE: tl.constexpr, NOPE_DIM: tl.constexpr):
-    """Issue the loads of one tile's KV rows: (nope fp8 [T, 8, 64], rope bf16 [T, 1, 64],
-    scale words int64 [T], valid [T]).
+    """Issue the loads of one tile's KV rows, grouped by 64-column slice of the head dim:
+    (nope fp8 [8, T, 64], rope bf16 [1, T, 64], scale words int64 [T], valid [T]).
 
     ``cache`` is the cache's byte pointer; ``idx`` the tile's token slots (-1: no token, whose
-    loads are masked off and move no bytes). The head dim is viewed as 8 groups of 64 columns:
-    groups 0-6 are the FP8 nope values (one UE8M0 scale each), group 7 is the rope. Every row
-    segment starts 16-byte aligned, so the compiler can use 128-bit loads. PAGE is a
-    compile-time constant: finding a slot's page is a shift, not a division in the loop.
+    loads are masked off and move no bytes). Groups 0-6 are the FP8 nope values (one UE8M0
+    scale each), group 7 is the rope. Every row segment starts 16-byte aligned, so the compiler
+    can use 128-bit loads. PAGE is a compile-time constant: finding a slot's page is a shift,
+    not a division in the loop.
     """
     valid = idx >= 0
     safe = tl.where(valid, idx, 0).to(tl.uint32)
@@ -82,19 +82,19 @@ def _gather_tile(cache, idx, page_bytes, PAGE: tl.constexpr, NOPE_DIM: tl.conste
     c = tl.arange(0, 64)
     nope = tl.load(
         cache.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-        + row[:, None, None]
-        + (g * 64)[None, :, None]
+        + (g * 64)[:, None, None]
+        + row[None, :, None]
         + c[None, None, :],
-        mask=valid[:, None, None] & (g < NOPE_DIM // 64)[None, :, None],
+        mask=(g < NOPE_DIM // 64)[:, None, None] & valid[None, :, None],
         other=0.0,
     )
     # Rope: 64 bf16 values from byte NOPE_DIM of the token's data, spelled in bf16 elements so
     # that the compiler sees the 16-byte alignment.
     rope = tl.load(
         cache.to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        + ((row + NOPE_DIM) // 2)[:, None, None]
+        + ((row + NOPE_DIM) // 2)[None, :, None]
         + c[None, None, :],
-        mask=valid[:, None, None],
+        mask=valid[None, :, None],
         other=0.0,
     )
     # Word t of the page's footer holds token t's 7 UE8M0 exponents, byte g for group g.
@@ -110,18 +110,13 @@ def _gather_tile(cache, idx, page_bytes, PAGE: tl.constexpr, NOPE_DIM: tl.conste
 
 
 @triton.jit
-def _dequant_tile(nope, rope, words, BLOCK_T: tl.constexpr, D: tl.constexpr):
-    """bf16 KV [T, D] from a gathered tile: nope x 2^(e - 127) per group, then the rope.
-
-    The scale is built from the exponent's bits (a power of two: no exp2 per element, and a
-    byte of 0 reads as 0 instead of 2^-127).
-    """
+def _group_scales(words):
+    """[8, T] fp32: 2^(e - 127) of each token's nope group g < 7 (from the exponent's bits, so
+    a power of two: no exp2, and a byte of 0 reads as 0), and 1 for the rope group 7."""
     g = tl.arange(0, 8)
-    exponent = ((words[:, None] >> (g * 8).to(tl.int64)[None, :]) & 0xFF).to(tl.int32)
-    scale = (exponent << 23).to(tl.float32, bitcast=True)
-    kv = (nope.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16)
-    kv = tl.where((g == 7)[None, :, None], rope, kv)
-    return tl.reshape(kv, [BLOCK_T, D])
+    exponent = ((words[None, :] >> (g * 8).to(tl.int64)[:, None]) & 0xFF).to(tl.int32)
+    exponent = tl.where((g == 7)[:, None], 127, exponent)
+    return (exponent << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -140,16 +135,15 @@ def _walk_list(
     PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     PREFETCH: tl.constexpr,
-    D: tl.constexpr,
     NOPE_DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     """Attend over tiles [tile_lo, tile_hi) of one index list.
 
     With PREFETCH, the loop is software-pipelined by hand in registers: while tile i is
-    dequantized and multiplied, tile i + 1's KV loads and tile i + 2's index loads are already
-    in flight, so every gather is issued one tile's math before it is used and its addresses
-    never wait on an index load. Tiles past tile_hi load nothing (their indices read as -1).
+    multiplied, tile i + 1's KV loads and tile i + 2's index loads are already in flight, so
+    every gather is issued one tile's math before it is used and its addresses never wait on an
+    index load. Tiles past tile_hi load nothing (their indices read as -1).
     """
     offs = tl.arange(0, BLOCK_T)
     if PREFETCH:
@@ -164,32 +158,49 @@ def _walk_list(
             )
             pos += BLOCK_T
             idx = tl.load(idx_row + pos, mask=(pos < valid_len) & (tile + 2 < tile_hi), other=-1)
-            kv = _dequant_tile(nope, rope, words, BLOCK_T, D)
-            m_i, l_i, acc = _attend_tile(q, kv, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE)
+            m_i, l_i, acc = _attend_tile(
+                q, nope, rope, words, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE
+            )
             nope, rope, words, valid = next_nope, next_rope, next_words, next_valid
     else:
         for tile in range(tile_lo, tile_hi):
             pos = tile * BLOCK_T + offs
             idx = tl.load(idx_row + pos, mask=pos < valid_len, other=-1)
             nope, rope, words, valid = _gather_tile(cache, idx, page_bytes, PAGE, NOPE_DIM)
-            kv = _dequant_tile(nope, rope, words, BLOCK_T, D)
-            m_i, l_i, acc = _attend_tile(q, kv, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE)
+            m_i, l_i, acc = _attend_tile(
+                q, nope, rope, words, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE
+            )
     return m_i, l_i, acc
 
 
 @triton.jit
-def _attend_tile(q, kv, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE: tl.constexpr):
-    """One online-softmax step (base 2) of a head block over one KV tile; K and V are both kv."""
-    kv = kv.to(DOT_DTYPE)
-    s = tl.dot(q.to(DOT_DTYPE), tl.trans(kv)) * qk_scale_log2
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+def _attend_tile(
+    q, nope, rope, words, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE: tl.constexpr
+):
+    """One online-softmax step (base 2) of a head block over one KV tile, group by group.
+
+    q [8, H, 64] and acc [8, H, 64] hold the head dim as 8 groups of 64 columns, and the tile
+    is the raw values [8, T, 64] (FP8 nope widened to bf16, exactly; the bf16 rope as group 7):
+    each group's scores and P.V are one batch of a batched tl.dot, so the 8 warps each own one
+    group and no warp repeats another's MMA. The groups' power-of-two scales are applied to the
+    small tensors instead of the tile: to each group's scores [H, T] before they are summed,
+    and to P [H, T] before it multiplies that group's values. Scaling by a power of two is
+    exact, so bf16(p) x 2^e is what p meets in a dequantized tile.
+    """
+    g = tl.arange(0, 8)
+    kv = tl.where((g == 7)[:, None, None], rope, nope.to(tl.bfloat16)).to(DOT_DTYPE)
+    scale = _group_scales(words)
+    s = tl.dot(kv, q)
+    s = tl.sum(s * scale[:, :, None], axis=0) * qk_scale_log2
+    s = tl.where(valid[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
     # Rows that have seen no valid token yet keep m = -inf; shift them by 0 to avoid inf - inf.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_shift)
-    p = tl.math.exp2(s - m_shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(tl.bfloat16).to(DOT_DTYPE), kv, acc * alpha[:, None])
+    p = tl.math.exp2(s - m_shift[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    p = (p[None, :, :] * scale[:, :, None]).to(tl.bfloat16).to(DOT_DTYPE)
+    acc = tl.dot(tl.permute(p, (0, 2, 1)), kv, acc * alpha[None, :, None])
     return m_new, l_i, acc
 
 
@@ -255,12 +266,13 @@ def _sparse_decode_split_kernel(
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
-    d = tl.arange(0, D)
+    # The head dim as 8 groups of 64 columns: d = 64 g + c, laid out [8, BLOCK_H, 64].
+    d = (tl.arange(0, 8) * 64)[:, None, None] + tl.arange(0, 64)[None, None, :]
     q = tl.load(
-        Q + pid_b * stride_qb + offs_h[:, None] * stride_qh + d[None, :],
-        mask=h_mask[:, None],
+        Q + pid_b * stride_qb + offs_h[None, None, :] * stride_qh + tl.permute(d, (0, 2, 1)),
+        mask=h_mask[None, None, :],
         other=0.0,
-    )
+    ).to(DOT_DTYPE)
 
     swa_len = swa_topk
     if HAS_SWA_LEN:
@@ -270,7 +282,7 @@ def _sparse_decode_split_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    acc = tl.zeros([8, BLOCK_H, 64], dtype=tl.float32)
 
     # The SWA list's tiles come first, then the extra list's. Tiles past the request's topk
     # length are skipped here, in the kernel, so the launch stays shape-only.
@@ -290,7 +302,6 @@ def _sparse_decode_split_kernel(
         SWA_PAGE,
         BLOCK_T,
         PREFETCH,
-        D,
         NOPE_DIM,
         DOT_DTYPE,
     )
@@ -315,7 +326,6 @@ def _sparse_decode_split_kernel(
             EXT_PAGE,
             BLOCK_T,
             PREFETCH,
-            D,
             NOPE_DIM,
             DOT_DTYPE,
         )
@@ -329,9 +339,9 @@ def _sparse_decode_split_kernel(
         rows = pid_b * H + offs_h
         weight = _sink_weight(lse2, sink_ptr, offs_h, h_mask, HAS_SINK) / safe_l
         tl.store(
-            O_ptr + rows[:, None] * head_dim_v + d[None, :],
-            (acc * weight[:, None]).to(tl.bfloat16),
-            mask=h_mask[:, None] & (d < head_dim_v)[None, :],
+            O_ptr + rows[None, :, None] * head_dim_v + d,
+            (acc * weight[None, :, None]).to(tl.bfloat16),
+            mask=h_mask[None, :, None] & (d < head_dim_v),
         )
         tl.store(LSE_ptr + rows, lse2 / LOG2E, mask=h_mask)
     else:
@@ -340,9 +350,9 @@ def _sparse_decode_split_kernel(
         # LSE_ptr: their fp32 log2-sum-exps, which carry each split's weight exactly.
         part = (pid_b * H + offs_h) * num_splits + pid_s
         tl.store(
-            O_ptr + part[:, None] * D + d[None, :],
-            (acc / safe_l[:, None]).to(tl.bfloat16),
-            mask=h_mask[:, None],
+            O_ptr + part[None, :, None] * D + d,
+            (acc / safe_l[None, :, None]).to(tl.bfloat16),
+            mask=h_mask[None, :, None],
         )
         tl.store(LSE_ptr + part, lse2, mask=h_mask)
 
