@@ -107,15 +107,20 @@ def _run(kwargs):
     return dispatch.flash_mla_with_kvcache_sm120(**kwargs)
 
 
-def _splits_logged(caplog) -> list[int]:
+def _ctas_logged(caplog) -> list[int]:
     return [
-        int(r.getMessage().split("-> ")[1].split(" splits")[0])
+        int(r.getMessage().split("-> ")[1].split(" CTAs")[0])
         for r in caplog.records
         if r.getMessage().startswith(ENV_NAME)
     ]
 
 
-@pytest.mark.parametrize("target", ["1", "4096"], ids=["one-split", "max-splits"])
+# One CTA walks every row whole; 7 CTAs cut rows at points that are not row boundaries (a
+# share that ends one row, walks whole rows and starts another); 4096 gives every tile its
+# own CTA, so every row is merged from one piece per tile.
+@pytest.mark.parametrize(
+    "target", ["1", "7", "4096"], ids=["one-cta", "cut-rows", "cta-per-tile"]
+)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_mma_matches_upstream_reference(
     case, target, target_config, mma_calls, monkeypatch, caplog
@@ -128,8 +133,14 @@ def test_mma_matches_upstream_reference(
     assert mma_calls == [kwargs["q"].shape]
     ref_out, ref_lse = dispatch._sm120_sparse_decode_fwd(*reference_args(kwargs))
     assert_matches_reference(out, lse, ref_out, ref_lse)
-    (used,) = _splits_logged(caplog)
-    assert (used == 1) == (target == "1")
+    (used,) = _ctas_logged(caplog)
+    assert used == min(int(target), _units(case, target_config))
+
+
+def _units(case, config) -> int:
+    """Work units of a case: rows (requests x head blocks) x KV tiles per request."""
+    tiles = -(-case.swa_topk // config.block_t) + -(-case.extra_topk // config.block_t)
+    return case.batch * -(-case.heads // config.block_h) * tiles
 
 
 def test_empty_row_gives_zero_output_and_minus_inf_lse(mma_calls):
@@ -161,7 +172,7 @@ def test_narrower_value_head_dim_matches_reference(mma_calls):
 
 
 @pytest.mark.parametrize("key", CONFIG_TARGETS, ids=_config_id)
-def test_one_split_and_many_splits_agree(key, monkeypatch, caplog):
+def test_one_cta_and_many_ctas_agree(key, monkeypatch, caplog):
     # Few SMs, so that the automatic choice lands strictly between one split and the most.
     small = dataclasses.replace(TARGETS[key], sms=8)
     stack = contextlib.ExitStack()
@@ -176,12 +187,12 @@ def test_one_split_and_many_splits_agree(key, monkeypatch, caplog):
         for target in ("1", "auto", "100000"):
             monkeypatch.setenv(ENV_NAME, target)
             results[target] = mma.flash_mla_sparse_decode_mma(*args)
-    one, auto, many = _splits_logged(caplog)
+    one, auto, many = _ctas_logged(caplog)
     assert one == 1 and many > auto > 1, (one, auto, many)
     ref_out, ref_lse = results["1"]
     for target in ("auto", "100000"):
         out, lse = results[target]
-        # Different split points only reorder fp32 sums; bf16 output may differ by one rounding.
+        # Different cut points only reorder fp32 sums; bf16 output may differ by one rounding.
         scale = ref_out.float().abs().amax()
         torch.testing.assert_close(out.float(), ref_out.float(), rtol=2**-7, atol=1e-3 * scale)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)

@@ -40,7 +40,7 @@ from sglang.kernels.ops.attention.sm120_mma_fit import (
     limits_for_arch,
     occupancy,
 )
-from sglang.kernels.ops.attention.sm120_mma_splits import ENV_NAME, resolve_split_count
+from sglang.kernels.ops.attention.sm120_mma_splits import ENV_NAME, resolve_cta_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -51,9 +51,6 @@ _TOKEN_DATA_STRIDE = _NOPE_DIM + 2 * _ROPE_DIM  # 576
 _SCALE_STRIDE = 8
 _BYTES_PER_TOKEN = _TOKEN_DATA_STRIDE + _SCALE_STRIDE  # 584
 
-_COMBINE_WARPS = 4
-_COMBINE_BLOCK_H = 16
-_COMBINE_BLOCK_D = 128
 
 # Triton's interpreter mis-evaluates tl.dot on bf16 operands (it multiplies the raw bits), so
 # interpreted runs widen the operands to fp32 first. The widening is exact and p is still rounded
@@ -220,11 +217,15 @@ def _sink_weight(lse2, sink_ptr, offs_h, h_mask, HAS_SINK: tl.constexpr):
     return weight
 
 
-@triton.jit(do_not_specialize=["num_splits", "tiles_per_split"])
-def _sparse_decode_split_kernel(
-    Q,
-    stride_qb,
-    stride_qh,
+@triton.jit
+def _attend_row(
+    m_i,
+    l_i,
+    acc,
+    q,
+    pid_b,
+    j_lo,
+    j_hi,
     swa_cache,
     swa_idx,
     stride_swa_ib,
@@ -237,56 +238,25 @@ def _sparse_decode_split_kernel(
     ext_len_ptr,
     ext_topk,
     ext_page_bytes,
-    O_ptr,
-    LSE_ptr,
-    sink_ptr,
-    qk_scale_log2,
-    H,
-    head_dim_v,
-    num_splits,
     swa_tiles,
-    tiles_per_split,
+    qk_scale_log2,
     HAS_SWA_LEN: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
     HAS_EXT_LEN: tl.constexpr,
-    HAS_SINK: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
     SWA_PAGE: tl.constexpr,
     EXT_PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
     PREFETCH: tl.constexpr,
-    D: tl.constexpr,
     NOPE_DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    pid_h = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_b = tl.program_id(2).to(tl.int64)
-
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < H
-    # The head dim as 8 groups of 64 columns: d = 64 g + c, laid out [8, BLOCK_H, 64].
-    d = (tl.arange(0, 8) * 64)[:, None, None] + tl.arange(0, 64)[None, None, :]
-    q = tl.load(
-        Q + pid_b * stride_qb + offs_h[None, None, :] * stride_qh + tl.permute(d, (0, 2, 1)),
-        mask=h_mask[None, None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)
-
+    """Attend one head block of request pid_b over its tiles [j_lo, j_hi): the SWA list's
+    tiles first, then the extra list's. Tiles past the request's topk lengths are skipped here,
+    in the kernel, so the launch stays shape-only."""
     swa_len = swa_topk
     if HAS_SWA_LEN:
         swa_len = tl.minimum(tl.load(swa_len_ptr + pid_b).to(tl.int32), swa_topk)
-    tile_lo = pid_s * tiles_per_split
-    tile_hi = tile_lo + tiles_per_split
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([8, BLOCK_H, 64], dtype=tl.float32)
-
-    # The SWA list's tiles come first, then the extra list's. Tiles past the request's topk
-    # length are skipped here, in the kernel, so the launch stays shape-only.
-    swa_hi = tl.minimum(tile_hi, tl.minimum(swa_tiles, tl.cdiv(swa_len, BLOCK_T)))
+    swa_hi = tl.minimum(j_hi, tl.minimum(swa_tiles, tl.cdiv(swa_len, BLOCK_T)))
     m_i, l_i, acc = _walk_list(
         q,
         m_i,
@@ -294,7 +264,7 @@ def _sparse_decode_split_kernel(
         acc,
         swa_cache,
         swa_idx + pid_b * stride_swa_ib,
-        tile_lo,
+        j_lo,
         swa_hi,
         swa_len,
         swa_page_bytes,
@@ -309,8 +279,8 @@ def _sparse_decode_split_kernel(
         ext_len = ext_topk
         if HAS_EXT_LEN:
             ext_len = tl.minimum(tl.load(ext_len_ptr + pid_b).to(tl.int32), ext_topk)
-        ext_lo = tl.maximum(tile_lo, swa_tiles) - swa_tiles
-        ext_hi = tl.minimum(tile_hi - swa_tiles, tl.cdiv(ext_len, BLOCK_T))
+        ext_lo = tl.maximum(j_lo, swa_tiles) - swa_tiles
+        ext_hi = tl.minimum(j_hi - swa_tiles, tl.cdiv(ext_len, BLOCK_T))
         m_i, l_i, acc = _walk_list(
             q,
             m_i,
@@ -329,85 +299,224 @@ def _sparse_decode_split_kernel(
             NOPE_DIM,
             DOT_DTYPE,
         )
-
-    has_tokens = l_i > 0.0
-    safe_l = tl.where(has_tokens, l_i, 1.0)
-    lse2 = tl.where(has_tokens, m_i + tl.math.log2(safe_l), float("-inf"))
-    if SINGLE_SPLIT:
-        # Normalise and fold the sink in one factor; lse is natural-log and without the sink.
-        # O_ptr and LSE_ptr are the call's out [B, H, head_dim_v] bf16 and lse [B, H] fp32.
-        rows = pid_b * H + offs_h
-        weight = _sink_weight(lse2, sink_ptr, offs_h, h_mask, HAS_SINK) / safe_l
-        tl.store(
-            O_ptr + rows[None, :, None] * head_dim_v + d,
-            (acc * weight[None, :, None]).to(tl.bfloat16),
-            mask=h_mask[None, :, None] & (d < head_dim_v),
-        )
-        tl.store(LSE_ptr + rows, lse2 / LOG2E, mask=h_mask)
-    else:
-        # O_ptr: the bf16 partials [B, H, splits, D], each normalised by its own sum (so it is
-        # a convex combination of V rows and bf16 keeps it to the output's own rounding);
-        # LSE_ptr: their fp32 log2-sum-exps, which carry each split's weight exactly.
-        part = (pid_b * H + offs_h) * num_splits + pid_s
-        tl.store(
-            O_ptr + part[None, :, None] * D + d,
-            (acc / safe_l[None, :, None]).to(tl.bfloat16),
-            mask=h_mask[None, :, None],
-        )
-        tl.store(LSE_ptr + part, lse2, mask=h_mask)
+    return m_i, l_i, acc
 
 
 @triton.jit
-def _combine_splits_kernel(
-    O_part,
-    LSE_part,
+def _store_output(
+    Out,
+    LSE,
+    acc,
+    lse2,
+    scale,
+    sink_ptr,
+    pid_b,
+    offs_h,
+    h_mask,
+    d,
+    H,
+    head_dim_v,
+    HAS_SINK: tl.constexpr,
+):
+    """Write one head block's final output and lse: acc x scale with the sink folded in.
+
+    acc is [8, BLOCK_H, 64] (d = 64 g + c); lse is natural-log and without the sink."""
+    rows = pid_b * H + offs_h
+    weight = _sink_weight(lse2, sink_ptr, offs_h, h_mask, HAS_SINK) * scale
+    tl.store(
+        Out + rows[None, :, None] * head_dim_v + d,
+        (acc * weight[None, :, None]).to(tl.bfloat16),
+        mask=h_mask[None, :, None] & (d < head_dim_v),
+    )
+    tl.store(LSE + rows, lse2 / LOG2E, mask=h_mask)
+
+
+@triton.jit
+def _cta_of(unit, num_ctas, num_units):
+    """The CTA whose share [c W / C, (c + 1) W / C) holds work unit ``unit``."""
+    return ((unit + 1) * num_ctas - 1) // num_units
+
+
+@triton.jit
+def _piece_slot(cta, row_lo, num_ctas, num_units):
+    """Where CTA ``cta`` keeps its piece of the row starting at unit row_lo: 2 cta for the
+    piece its share starts with, 2 cta + 1 for the piece it ends with (a share holds at most
+    these two partial rows; every row between them is whole)."""
+    return 2 * cta + tl.where(cta * num_units // num_ctas >= row_lo, 0, 1)
+
+
+@triton.jit(do_not_specialize=["num_ctas", "num_units", "tiles_per_row"])
+def _sparse_decode_split_kernel(
+    Q,
+    stride_qb,
+    stride_qh,
+    swa_cache,
+    swa_idx,
+    stride_swa_ib,
+    swa_len_ptr,
+    swa_topk,
+    swa_page_bytes,
+    ext_cache,
+    ext_idx,
+    stride_ext_ib,
+    ext_len_ptr,
+    ext_topk,
+    ext_page_bytes,
     Out,
     LSE,
     sink_ptr,
+    qk_scale_log2,
     H,
     head_dim_v,
-    num_splits,
+    part_o,
+    part_lse,
+    row_counts,
+    num_ctas,
+    num_units,
+    tiles_per_row,
+    swa_tiles,
+    head_blocks,
+    HAS_SWA_LEN: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    HAS_EXT_LEN: tl.constexpr,
     HAS_SINK: tl.constexpr,
+    SWA_PAGE: tl.constexpr,
+    EXT_PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    NOPE_DIM: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
-    """lse2 = log2sumexp2_s(lse2_s); out = sum_s exp2(lse2_s - lse2) * out_s; then the sink.
-
-    Grid (head blocks, batch, D / BLOCK_D): a request's splits are merged by several programs,
-    each over a slice of the head dim, so that a small batch still spreads the partials' reads.
-    """
-    pid_h = tl.program_id(0)
-    pid_b = tl.program_id(1).to(tl.int64)
-    pid_d = tl.program_id(2)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < H
-    rows = pid_b * H + offs_h
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-
-    top = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for s in range(num_splits):
-        part_lse = tl.load(LSE_part + rows * num_splits + s, mask=h_mask, other=float("-inf"))
-        top = tl.maximum(top, part_lse)
-    shift = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for s in range(num_splits):
-        part = rows * num_splits + s
-        w = tl.math.exp2(tl.load(LSE_part + part, mask=h_mask, other=float("-inf")) - shift)
-        total += w
-        o = tl.load(O_part + part[:, None] * D + d[None, :], mask=h_mask[:, None], other=0.0)
-        acc += w[:, None] * o.to(tl.float32)
-    has_tokens = total > 0.0
-    safe_total = tl.where(has_tokens, total, 1.0)
-    lse2 = tl.where(has_tokens, shift + tl.math.log2(safe_total), float("-inf"))
-    weight = _sink_weight(lse2, sink_ptr, offs_h, h_mask, HAS_SINK) / safe_total
-    tl.store(
-        Out + rows[:, None] * head_dim_v + d[None, :],
-        (acc * weight[:, None]).to(tl.bfloat16),
-        mask=h_mask[:, None] & (d < head_dim_v)[None, :],
-    )
-    tl.store(LSE + rows, lse2 / LOG2E, mask=h_mask & (pid_d == 0))
+    """Stream-K over the call's work: W = rows x tiles_per_row units, a row being one head
+    block of one request and a unit one KV tile of it. CTA c walks units
+    [c W / C, (c + 1) W / C), row by row. A row it walks whole is written out directly. A row
+    cut between CTAs leaves one piece per CTA (its normalised bf16 output and fp32 log2-sum-exp,
+    in part_o / part_lse); the CTA that brings the row's last piece (counted in row_counts,
+    which it sets back to 0) merges them exactly and writes the output."""
+    cta = tl.program_id(0)
+    share_lo = cta * num_units // num_ctas
+    share_hi = (cta + 1) * num_units // num_ctas
+    d = (tl.arange(0, 8) * 64)[:, None, None] + tl.arange(0, 64)[None, None, :]
+    unit = share_lo
+    while unit < share_hi:
+        row = unit // tiles_per_row
+        row_lo = row * tiles_per_row
+        seg_hi = tl.minimum(share_hi, row_lo + tiles_per_row)
+        pid_b = (row // head_blocks).to(tl.int64)
+        offs_h = (row % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < H
+        # q^T as 8 groups [8, 64, BLOCK_H]: the B operand of the scores KV.q^T.
+        q = tl.load(
+            Q + pid_b * stride_qb + offs_h[None, None, :] * stride_qh + tl.permute(d, (0, 2, 1)),
+            mask=h_mask[None, None, :],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([8, BLOCK_H, 64], dtype=tl.float32)
+        m_i, l_i, acc = _attend_row(
+            m_i,
+            l_i,
+            acc,
+            q,
+            pid_b,
+            unit - row_lo,
+            seg_hi - row_lo,
+            swa_cache,
+            swa_idx,
+            stride_swa_ib,
+            swa_len_ptr,
+            swa_topk,
+            swa_page_bytes,
+            ext_cache,
+            ext_idx,
+            stride_ext_ib,
+            ext_len_ptr,
+            ext_topk,
+            ext_page_bytes,
+            swa_tiles,
+            qk_scale_log2,
+            HAS_SWA_LEN,
+            HAS_EXTRA,
+            HAS_EXT_LEN,
+            SWA_PAGE,
+            EXT_PAGE,
+            BLOCK_T,
+            PREFETCH,
+            NOPE_DIM,
+            DOT_DTYPE,
+        )
+        has_tokens = l_i > 0.0
+        safe_l = tl.where(has_tokens, l_i, 1.0)
+        lse2 = tl.where(has_tokens, m_i + tl.math.log2(safe_l), float("-inf"))
+        if (unit == row_lo) & (seg_hi == row_lo + tiles_per_row):
+            _store_output(
+                Out,
+                LSE,
+                acc,
+                lse2,
+                1.0 / safe_l,
+                sink_ptr,
+                pid_b,
+                offs_h,
+                h_mask,
+                d,
+                H,
+                head_dim_v,
+                HAS_SINK,
+            )
+        else:
+            # A piece: normalised by its own sum, so it is a convex combination of V rows and
+            # bf16 keeps it to the output's own rounding; its log2-sum-exp carries its weight.
+            piece = _piece_slot(cta, row_lo, num_ctas, num_units) * BLOCK_H + tl.arange(0, BLOCK_H)
+            tl.store(
+                part_o + piece[None, :, None] * 512 + d,
+                (acc / safe_l[None, :, None]).to(tl.bfloat16),
+            )
+            tl.store(part_lse + piece, lse2)
+            first = _cta_of(row_lo, num_ctas, num_units)
+            last = _cta_of(row_lo + tiles_per_row - 1, num_ctas, num_units)
+            # Every thread's stores are done before the CTA announces its piece (release); the
+            # CTA that takes the last ticket sees every other piece (acquire).
+            tl.debug_barrier()
+            ticket = tl.atomic_add(row_counts + row, 1, sem="acq_rel", scope="gpu")
+            if ticket == last - first:
+                top = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+                for c in range(first, last + 1):
+                    slot = _piece_slot(c, row_lo, num_ctas, num_units) * BLOCK_H
+                    part = tl.load(part_lse + slot + tl.arange(0, BLOCK_H), cache_modifier=".cg")
+                    top = tl.maximum(top, part)
+                shift = tl.where(top == float("-inf"), 0.0, top)
+                total = tl.zeros([BLOCK_H], dtype=tl.float32)
+                merged = tl.zeros([8, BLOCK_H, 64], dtype=tl.float32)
+                for c in range(first, last + 1):
+                    slot = _piece_slot(c, row_lo, num_ctas, num_units) * BLOCK_H
+                    rows = slot + tl.arange(0, BLOCK_H)
+                    w = tl.math.exp2(tl.load(part_lse + rows, cache_modifier=".cg") - shift)
+                    total += w
+                    o = tl.load(part_o + rows[None, :, None] * 512 + d, cache_modifier=".cg")
+                    merged += w[None, :, None] * o.to(tl.float32)
+                has_tokens = total > 0.0
+                safe_total = tl.where(has_tokens, total, 1.0)
+                lse2 = tl.where(has_tokens, shift + tl.math.log2(safe_total), float("-inf"))
+                _store_output(
+                    Out,
+                    LSE,
+                    merged,
+                    lse2,
+                    1.0 / safe_total,
+                    sink_ptr,
+                    pid_b,
+                    offs_h,
+                    h_mask,
+                    d,
+                    H,
+                    head_dim_v,
+                    HAS_SINK,
+                )
+                tl.atomic_xchg(row_counts + row, 0, sem="relaxed", scope="gpu")
+        unit = seg_hi
 
 
 def _check_cache(k_cache: torch.Tensor) -> tuple[int, int]:
@@ -506,16 +615,22 @@ def _stage1_ctas_per_sm(view: _DeviceView, args: list, constexprs: dict) -> int:
     return _resident[key]
 
 
-# Grow-only scratch for split partials (bf16 outputs, fp32 log2-sum-exps), one pair per
-# (device, stream). Every buffer ever handed out stays referenced: a CUDA graph captured with an
-# older (smaller) buffer keeps its address. Kernels get the whole buffer (they index only the
-# rows of their launch), so a call makes no slice.
+# Grow-only scratch, one set per (device, stream): the pieces of cut rows (bf16 outputs, fp32
+# log2-sum-exps; two slots of BLOCK_H rows per CTA) and one int32 ticket counter per row, zeroed
+# once and set back to 0 by the kernel after each merge. Every buffer ever handed out stays
+# referenced: a CUDA graph captured with an older (smaller) buffer keeps its address. Kernels
+# get whole buffers (they index only what their launch uses), so a call makes no slice.
 _scratch: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+_counters: dict[tuple, list[torch.Tensor]] = {}
 
 
-def _partials(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _stream_key(device: torch.device) -> tuple:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    buffers = _scratch.setdefault((str(device), stream), [])
+    return (str(device), stream)
+
+
+def _pieces(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    buffers = _scratch.setdefault(_stream_key(device), [])
     if not buffers or buffers[-1][1].numel() < rows:
         buffers.append(
             (
@@ -526,29 +641,40 @@ def _partials(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tens
     return buffers[-1]
 
 
+def _row_counters(device: torch.device, rows: int) -> torch.Tensor:
+    buffers = _counters.setdefault(_stream_key(device), [])
+    if not buffers or buffers[-1].numel() < rows:
+        buffers.append(torch.zeros(rows, dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Everything a call's launches depend on, computed once per shape (``plan_for``)."""
+    """Everything a call's launch depends on, computed once per shape."""
 
     config: LaunchConfig
     head_blocks: int
-    num_tiles: int
+    num_tiles: int  # KV tiles per request (the SWA list's, then the extra list's)
     swa_tiles: int
-    num_splits: int
-    tiles_per_split: int
+    num_ctas: int
     ctas_per_sm: int
-    grid: tuple[int, int, int]
-    combine_grid: tuple[int, int, int] | None
     constexprs: tuple[tuple[str, object], ...]
 
     @property
+    def grid(self) -> tuple[int]:
+        return (self.num_ctas,)
+
+    @property
     def ctas(self) -> int:
-        return self.grid[0] * self.grid[1] * self.grid[2]
+        return self.num_ctas
 
 
 # One plan per (device, shape, flags, knob text). A decode server sees a handful of shapes per
 # batch size (layers with and without an extra list), so this stays small.
 _plans: dict[tuple, LaunchPlan] = {}
+
+# Positions in the stage-1 argument list that the plan fills.
+_ARG_NUM_CTAS, _ARG_UNITS, _ARG_TILES, _ARG_SWA_TILES, _ARG_HEAD_BLOCKS = 24, 25, 26, 27, 28
 
 
 def _make_plan(view, key, args, batch, num_heads, swa_topk, ext_topk, swa_page, ext_page, flags):
@@ -562,19 +688,19 @@ def _make_plan(view, key, args, batch, num_heads, swa_topk, ext_topk, swa_page, 
         HAS_EXTRA=has_extra,
         HAS_EXT_LEN=has_ext_len,
         HAS_SINK=has_sink,
-        SINGLE_SPLIT=False,
         SWA_PAGE=swa_page,
         EXT_PAGE=ext_page,
         BLOCK_H=cfg.block_h,
         BLOCK_T=cfg.block_t,
         PREFETCH=cfg.prefetch,
-        D=_D,
         NOPE_DIM=_NOPE_DIM,
         DOT_DTYPE=_DOT_DTYPE,
     )
-    args[22], args[23] = swa_tiles, num_tiles
+    units = batch * head_blocks * num_tiles
+    args[_ARG_NUM_CTAS], args[_ARG_UNITS], args[_ARG_TILES] = 1, units, num_tiles
+    args[_ARG_SWA_TILES], args[_ARG_HEAD_BLOCKS] = swa_tiles, head_blocks
     ctas_per_sm = _stage1_ctas_per_sm(view, args, constexprs)
-    num_splits = resolve_split_count(
+    num_ctas = resolve_cta_count(
         batch=batch,
         head_blocks=head_blocks,
         num_tiles=num_tiles,
@@ -582,20 +708,13 @@ def _make_plan(view, key, args, batch, num_heads, swa_topk, ext_topk, swa_page, 
         num_sms=view.num_sms,
         ctas_per_sm=ctas_per_sm,
     )
-    constexprs["SINGLE_SPLIT"] = num_splits == 1
-    combine_grid = None
-    if num_splits > 1:
-        combine_grid = (triton.cdiv(num_heads, _COMBINE_BLOCK_H), batch, _D // _COMBINE_BLOCK_D)
     plan = LaunchPlan(
         config=cfg,
         head_blocks=head_blocks,
         num_tiles=num_tiles,
         swa_tiles=swa_tiles,
-        num_splits=num_splits,
-        tiles_per_split=triton.cdiv(num_tiles, num_splits),
+        num_ctas=num_ctas,
         ctas_per_sm=ctas_per_sm,
-        grid=(head_blocks, num_splits, batch),
-        combine_grid=combine_grid,
         constexprs=tuple(constexprs.items()),
     )
     _plans[key] = plan
@@ -620,8 +739,8 @@ def flash_mla_sparse_decode_mma(
     contract: lse is the log-sum-exp of the scaled scores without the sink (-inf for a request
     with no valid token, whose output is zero); the sink only rescales the output.
 
-    The hot path allocates the two outputs and launches stage 1 (and the combine when there is
-    more than one split); everything else comes from the shape's cached ``LaunchPlan``.
+    The hot path allocates the two outputs and makes one launch; everything else comes from the
+    shape's cached ``LaunchPlan``.
     """
     if q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(
@@ -663,9 +782,25 @@ def flash_mla_sparse_decode_mma(
         has_extra and extra_topk_length is not None,
         attn_sink is not None,
     )
-    # Index 15 and 16 are the outputs (out and lse, or the partials), 21 num_splits, 22
-    # swa_tiles and 23 tiles_per_split (num_splits and tiles_per_split are not specialized on,
-    # so the kernel compiled for the occupancy query is the one launched).
+    view = _device_view()
+    key = (
+        view,
+        batch,
+        num_heads,
+        head_dim_v,
+        swa_topk,
+        tuple(k_cache.shape),
+        k_cache.stride(0),
+        ext_topk,
+        tuple(ext_cache.shape),
+        ext_cache.stride(0),
+        flags,
+        os.environ.get(ENV_NAME),
+    )
+    plan = _plans.get(key)
+    # Positions 21-23 are the scratch (pieces and row counters) and 24-28 the plan's counts
+    # (num_ctas, units and tiles per row are not specialized on, so the kernel compiled for the
+    # occupancy query is the one launched).
     args = [
         q,
         q.stride(0),
@@ -688,54 +823,35 @@ def flash_mla_sparse_decode_mma(
         softmax_scale * 1.4426950408889634,
         num_heads,
         head_dim_v,
+        placeholder,
+        placeholder,
+        placeholder,
+        1,
+        1,
         1,
         0,
-        0,
+        1,
     ]
-    view = _device_view()
-    key = (
-        view,
-        batch,
-        num_heads,
-        head_dim_v,
-        swa_topk,
-        tuple(k_cache.shape),
-        k_cache.stride(0),
-        ext_topk,
-        tuple(ext_cache.shape),
-        ext_cache.stride(0),
-        flags,
-        os.environ.get(ENV_NAME),
-    )
-    plan = _plans.get(key)
     if plan is None:
+        # The occupancy query compiles with buffers of the launch's types (and runs nothing).
+        args[21] = torch.empty(1, dtype=torch.bfloat16, device=device)
+        args[22] = torch.empty(1, dtype=torch.float32, device=device)
+        args[23] = torch.empty(1, dtype=torch.int32, device=device)
         swa_page, _ = _check_cache(k_cache)
         ext_page = _check_cache(ext_cache)[0] if has_extra else 1
         plan = _make_plan(
             view, key, args, batch, num_heads, swa_topk, ext_topk, swa_page, ext_page, flags
         )
-    constexprs = dict(plan.constexprs)
-    args[21], args[22], args[23] = plan.num_splits, plan.swa_tiles, plan.tiles_per_split
-    if plan.combine_grid is not None:
-        args[15], args[16] = _partials(device, batch * num_heads * plan.num_splits)
+    rows = batch * plan.head_blocks
+    args[21], args[22] = _pieces(device, 2 * plan.num_ctas * plan.config.block_h)
+    args[23] = _row_counters(device, rows)
+    args[_ARG_NUM_CTAS] = plan.num_ctas
+    args[_ARG_UNITS] = rows * plan.num_tiles
+    args[_ARG_TILES] = plan.num_tiles
+    args[_ARG_SWA_TILES] = plan.swa_tiles
+    args[_ARG_HEAD_BLOCKS] = plan.head_blocks
     cfg = plan.config
     _sparse_decode_split_kernel[plan.grid](
-        *args, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs
+        *args, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dict(plan.constexprs)
     )
-    if plan.combine_grid is not None:
-        _combine_splits_kernel[plan.combine_grid](
-            args[15],
-            args[16],
-            out,
-            lse,
-            args[17],
-            num_heads,
-            head_dim_v,
-            plan.num_splits,
-            HAS_SINK=flags[3],
-            BLOCK_H=_COMBINE_BLOCK_H,
-            BLOCK_D=_COMBINE_BLOCK_D,
-            D=_D,
-            num_warps=_COMBINE_WARPS,
-        )
     return out, lse

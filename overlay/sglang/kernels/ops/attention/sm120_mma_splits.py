@@ -1,20 +1,22 @@
-"""How many KV splits the SM120 MMA sparse-decode kernel launches: the
+"""How many CTAs the SM120 MMA sparse-decode kernel launches: the
 ``SGLANG_SM120_MMA_TARGET_CTAS`` knob and the automatic choice.
 
-The stage-1 grid is ``batch x head_blocks x splits`` programs (CTAs). Few CTAs leave SMs idle;
-many splits multiply the partial outputs that the combine has to read back. The knob says how
-many CTAs to aim for; ``auto`` (the default) picks the split count from a wave model of the
-device (its SM count and the compiled kernel's resident CTAs per SM), in the spirit of
-FlashAttention's ``num_splits_heuristic`` and FlashInfer's SM120 planner.
+The kernel is stream-K: a call's work is W = rows x tiles units (a row is one head block of one
+request, a unit one BLOCK_T-token KV tile of it), and C CTAs each take an equal contiguous share
+of the W units (W / C, rounded down or up), so every CTA of a launch has the same work whatever
+the batch. A row cut between CTAs costs each of them a partial output (16 heads x 512 bf16) and
+costs the CTA that finishes the row a merge of them. The knob says how many CTAs to launch;
+``auto`` (the default) fills one wave of the device (its SM count times the compiled kernel's
+resident CTAs per SM) whenever the call has a unit for every slot, and otherwise picks the
+count from a cost model of the tiles a CTA walks plus the pieces it writes and merges.
 
-Standard library only, so the parser and the split choice can be checked without torch or a GPU.
+Standard library only, so the parser and the choice can be checked without torch or a GPU.
 The variable is read from ``os.environ`` directly: it is registered in sglang's env registry as
 a plain string (so ``envs.SGLANG_SM120_MMA_TARGET_CTAS.override(...)`` works), but the registry's
 ``get()`` turns a malformed value into a warning plus the default, and a mistyped knob must fail.
 """
 
 import logging
-import math
 import os
 import re
 from functools import lru_cache
@@ -24,23 +26,18 @@ logger = logging.getLogger(__name__)
 ENV_NAME = "SGLANG_SM120_MMA_TARGET_CTAS"
 AUTO = "auto"
 
-# The wave model behind ``auto``. A stage-1 CTA's time is counted in tiles (one tile: BLOCK_T
-# KV rows gathered and attended, the unit the kernel's loop advances by); a launch of C CTAs on
-# S SMs x R resident CTAs runs in ceil(C / (S x R)) waves. The constants are the model's fixed
-# costs in tiles. They are estimates from the kernel's structure, not yet fitted to a
-# graph-replay sweep on any GPU: fit them with bench/kernel/microbench (auto against fixed
-# TARGET_CTAS values) on the target architecture.
-# A CTA's cost besides its tiles: the launch ramp, the 16 KiB query block, the pipeline's
-# first gather that nothing overlaps.
+# The cost model behind ``auto`` when the call has fewer units than the device has CTA slots,
+# in tiles (one tile: BLOCK_T KV rows gathered and attended, the unit the kernel's loop advances
+# by). They are estimates from the kernel's structure, not fitted to a graph-replay sweep on
+# any GPU: fit them with bench/kernel/microbench (auto against fixed TARGET_CTAS values) on the
+# target architecture.
+# A CTA's cost besides its tiles: the launch ramp, the query block, the first gather that
+# nothing overlaps.
 CTA_OVERHEAD_TILES = 1.0
-# A split's extra cost: its 16-head x 512 bf16 partial (16 KiB, about one tile's KV) is written
-# by stage 1 and read again by the combine.
-SPLIT_OVERHEAD_TILES = 1.0
-# Launching the combine kernel at all: a second launch and its dependent start.
-COMBINE_LAUNCH_TILES = 1.0
-# Above this many waves a split count is not considered: the tail effects the model ignores
-# grow with the wave count (FlashInfer's SM120 planner uses the same bound).
-MAX_WAVES = 3
+# Writing a piece of a cut row: 16 heads x 512 bf16 (16 KiB, about one tile's KV).
+PIECE_WRITE_TILES = 1.0
+# Reading one piece back in the merge (from L2, where the pieces of one call stay).
+PIECE_MERGE_TILES = 0.5
 
 _POSITIVE_INT = re.compile(r"[0-9]+")
 
@@ -48,7 +45,7 @@ _POSITIVE_INT = re.compile(r"[0-9]+")
 def _knob_error(raw: str, why: str) -> ValueError:
     return ValueError(
         f"{ENV_NAME}={raw!r} is invalid ({why}); accepted: unset or {AUTO!r} for the automatic "
-        f"choice, or a positive integer N (aim for about N CTAs: batch x head blocks x splits)"
+        f"choice, or a positive integer N (launch N CTAs, at most one per KV tile of the call)"
     )
 
 
@@ -84,73 +81,74 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _auto_split_count(base_ctas: int, num_tiles: int, slots: int) -> int:
-    """Split count minimising the modelled makespan: waves x (tiles per CTA + overhead), plus
-    the split and combine costs, over split counts of at most MAX_WAVES waves.
-
-    A batch that fills a wave on its own (base_ctas >= slots) gets one split: splitting it
-    could only add waves, partials and the combine. A small batch gets enough CTAs that each
-    walks one or two tiles, as far as one wave allows.
-    """
-    if base_ctas >= slots:
-        return 1
-    best_splits, best_cost = 1, math.inf
-    for splits in range(1, num_tiles + 1):
-        tiles_per_split = _cdiv(num_tiles, splits)
-        if splits > 1 and tiles_per_split == _cdiv(num_tiles, splits - 1):
-            # Same work per CTA as one split fewer, only more CTAs: never better.
-            continue
-        waves = _cdiv(base_ctas * splits, slots)
-        if waves > MAX_WAVES:
-            break
-        per_cta = tiles_per_split + CTA_OVERHEAD_TILES
-        cost = waves * per_cta
-        if splits > 1:
-            cost += waves * SPLIT_OVERHEAD_TILES + COMBINE_LAUNCH_TILES
-        if cost < best_cost:
-            best_splits, best_cost = splits, cost
-    return best_splits
+def cta_of(unit: int, num_ctas: int, num_units: int) -> int:
+    """The CTA whose share [c W / C, (c + 1) W / C) holds ``unit`` (the kernel's rule)."""
+    return ((unit + 1) * num_ctas - 1) // num_units
 
 
-def split_count_for(
+def pieces_per_row(rows: int, tiles: int, num_ctas: int) -> int:
+    """The most CTAs any row is cut between when C CTAs share rows x tiles units."""
+    units = rows * tiles
+    return max(
+        cta_of(r * tiles + tiles - 1, num_ctas, units) - cta_of(r * tiles, num_ctas, units) + 1
+        for r in range(rows)
+    )
+
+
+def modelled_cost(rows: int, tiles: int, num_ctas: int) -> float:
+    """The cost model, in tiles, of one wave of C CTAs over rows x tiles units: the longest
+    share plus, where rows are cut, a piece written and the longest merge."""
+    units = rows * tiles
+    cost = _cdiv(units, num_ctas) + CTA_OVERHEAD_TILES
+    pieces = pieces_per_row(rows, tiles, num_ctas)
+    if pieces > 1:
+        cost += PIECE_WRITE_TILES + pieces * PIECE_MERGE_TILES
+    return cost
+
+
+def _auto_cta_count(rows: int, tiles: int, slots: int) -> int:
+    """One full wave when there is a unit for every slot (stream-K balances it exactly);
+    otherwise the count, up to one CTA per unit, with the least modelled cost (the fewest CTAs
+    among equals)."""
+    units = rows * tiles
+    if units >= slots:
+        return slots
+    return min(range(1, units + 1), key=lambda c: (modelled_cost(rows, tiles, c), c))
+
+
+def cta_count_for(
     target_ctas: int | None,
     *,
     batch: int,
     head_blocks: int,
     num_tiles: int,
-    tile_tokens: int,
     num_sms: int,
     ctas_per_sm: int,
 ) -> int:
-    """Number of KV splits for one launch; a pure function of the knob and the shapes.
+    """Number of stage-1 CTAs for one launch; a pure function of the knob and the shapes.
 
-    ``num_tiles`` is the number of ``tile_tokens``-token KV tiles per request (SWA and extra
-    lists together). With ``target_ctas`` = N the result makes batch x head_blocks x splits
-    about N; with None it is the automatic choice (the wave model above). Either way it is at
-    least 1, at most one split per tile, and no split is left empty. ``ctas_per_sm`` is how
-    many stage-1 CTAs the compiled kernel keeps resident on one SM; the automatic choice counts
-    waves of num_sms x ctas_per_sm.
+    ``num_tiles`` is the number of KV tiles per request (SWA and extra lists together). With
+    ``target_ctas`` = N the result is N, at most one CTA per unit; with None it is the
+    automatic choice (above), which counts slots as num_sms x ctas_per_sm (the compiled
+    kernel's resident CTAs per SM). Either way every CTA has at least one unit.
     """
-    if min(batch, head_blocks, num_tiles, tile_tokens, num_sms, ctas_per_sm) <= 0:
+    if min(batch, head_blocks, num_tiles, num_sms, ctas_per_sm) <= 0:
         raise ValueError(
-            f"split_count_for needs positive shapes, got batch={batch}, "
-            f"head_blocks={head_blocks}, num_tiles={num_tiles}, tile_tokens={tile_tokens}, "
-            f"num_sms={num_sms}, ctas_per_sm={ctas_per_sm}"
+            f"cta_count_for needs positive shapes, got batch={batch}, "
+            f"head_blocks={head_blocks}, num_tiles={num_tiles}, num_sms={num_sms}, "
+            f"ctas_per_sm={ctas_per_sm}"
         )
-    base_ctas = batch * head_blocks
+    rows = batch * head_blocks
+    units = rows * num_tiles
     if target_ctas is None:
-        wanted = _auto_split_count(base_ctas, num_tiles, num_sms * ctas_per_sm)
-    else:
-        wanted = max(1, (target_ctas + base_ctas // 2) // base_ctas)
-    wanted = min(wanted, num_tiles)
-    # Equal tile counts per split; drop splits that this rounding would leave without a tile.
-    return _cdiv(num_tiles, _cdiv(num_tiles, wanted))
+        return _auto_cta_count(rows, num_tiles, num_sms * ctas_per_sm)
+    return min(target_ctas, units)
 
 
 _logged: set[tuple] = set()
 
 
-def resolve_split_count(
+def resolve_cta_count(
     *,
     batch: int,
     head_blocks: int,
@@ -159,28 +157,28 @@ def resolve_split_count(
     num_sms: int,
     ctas_per_sm: int,
 ) -> int:
-    """split_count_for with the knob read from the environment; logs each new choice once.
+    """cta_count_for with the knob read from the environment; logs each new choice once.
 
     A choice is logged once per (knob, batch, head blocks, tiles): layers with and without an
-    extra cache have different tile counts at the same batch size and so different splits.
+    extra cache have different tile counts at the same batch size and so different choices.
     """
     raw = os.environ.get(ENV_NAME)
     target = _parse_cached(raw)
-    splits = split_count_for(
+    ctas = cta_count_for(
         target,
         batch=batch,
         head_blocks=head_blocks,
         num_tiles=num_tiles,
-        tile_tokens=tile_tokens,
         num_sms=num_sms,
         ctas_per_sm=ctas_per_sm,
     )
     key = (raw, batch, head_blocks, num_tiles, num_sms, ctas_per_sm)
     if key not in _logged:
         _logged.add(key)
+        slots = num_sms * ctas_per_sm
         logger.info(
             "%s=%s (%s): batch %d, %d head blocks, %d KV tiles of %d tokens on %d SMs x %d "
-            "resident CTAs -> %d splits, %d CTAs",
+            "resident CTAs -> %d CTAs, %.1f tiles each, %d%% of the wave's slots",
             ENV_NAME,
             AUTO if target is None else target,
             "unset" if raw is None else "set",
@@ -190,7 +188,8 @@ def resolve_split_count(
             tile_tokens,
             num_sms,
             ctas_per_sm,
-            splits,
-            batch * head_blocks * splits,
+            ctas,
+            batch * head_blocks * num_tiles / ctas,
+            round(100 * ctas / (_cdiv(ctas, slots) * slots)),
         )
-    return splits
+    return ctas
