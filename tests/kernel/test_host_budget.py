@@ -2,7 +2,7 @@
 plan is cached. Counted, not timed (our machines are noisy); the time itself is measured on a
 GPU by bench/kernel/microbench (host µs per call).
 
-The two Triton kernels are replaced by recorders for the counted call, so what is counted is
+The Triton kernel is replaced by a recorder for the counted call, so what is counted is
 the launcher's own work; their numerics are checked in test_mma_decode.py.
 """
 
@@ -13,7 +13,7 @@ from sglang.kernels.ops.attention.sm120_mma_splits import ENV_NAME
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # aten ops per call: the output and the lse allocation. Nothing else: no slice, view, copy,
-# fill or device-to-host read.
+# fill, zeroing of the row counters or device-to-host read.
 OPS_BUDGET = 2
 
 
@@ -37,16 +37,15 @@ class _Recorder:
 
 def _count(args) -> tuple[list[str], list[tuple]]:
     launches: list[tuple] = []
-    real = mma._sparse_decode_split_kernel, mma._combine_splits_kernel
+    real = mma._sparse_decode_split_kernel
     mma._sparse_decode_split_kernel = _Recorder("stage1", launches)
-    mma._combine_splits_kernel = _Recorder("combine", launches)
     try:
         mma.flash_mla_sparse_decode_mma(*args)  # builds and caches the plan
         launches.clear()
         with _CountOps() as counter:
             mma.flash_mla_sparse_decode_mma(*args)
     finally:
-        mma._sparse_decode_split_kernel, mma._combine_splits_kernel = real
+        mma._sparse_decode_split_kernel = real
     return counter.ops, launches
 
 
@@ -58,22 +57,14 @@ def _count(args) -> tuple[list[str], list[tuple]]:
     ],
     ids=str,
 )
-def test_one_split_is_one_launch_and_two_allocations(case, monkeypatch):
-    monkeypatch.setenv(ENV_NAME, "1")
+@pytest.mark.parametrize("target", ["1", "7", "100000"])
+def test_every_cta_count_is_one_launch_and_two_allocations(case, target, monkeypatch):
+    # Cut rows are merged inside the launch by the CTA that finishes them: no second kernel.
+    monkeypatch.setenv(ENV_NAME, target)
     ops, launches = _count(reference_args(make_inputs(case)))
     assert len(ops) <= OPS_BUDGET, ops
-    assert [name for name, _ in launches] == ["stage1"]
-
-
-def test_many_splits_add_only_the_combine_launch(monkeypatch):
-    monkeypatch.setenv(ENV_NAME, "100000")
-    ops, launches = _count(
-        reference_args(make_inputs(Case(batch=2, heads=16, swa_topk=128, extra_topk=512)))
-    )
-    assert len(ops) <= OPS_BUDGET, ops
-    assert [name for name, _ in launches] == ["stage1", "combine"]
-    (_, grid), _ = launches
-    assert grid[1] > 1
+    ((name, grid),) = launches
+    assert name == "stage1" and len(grid) == 1 and grid[0] > 0
 
 
 def test_plan_is_made_once_per_shape_and_again_when_the_knob_changes(monkeypatch):
@@ -85,5 +76,4 @@ def test_plan_is_made_once_per_shape_and_again_when_the_knob_changes(monkeypatch
     assert len(mma._plans) == 1
     monkeypatch.setenv(ENV_NAME, "100000")
     _count(args)
-    assert sorted(p.num_splits for p in mma._plans.values())[0] == 1
-    assert len(mma._plans) == 2 and max(p.num_splits for p in mma._plans.values()) > 1
+    assert sorted(p.num_ctas for p in mma._plans.values()) == [1, 2 * 2]

@@ -1,4 +1,4 @@
-"""SGLANG_SM120_MMA_TARGET_CTAS: strict parsing and the split choice (pure Python)."""
+"""SGLANG_SM120_MMA_TARGET_CTAS: strict parsing and the CTA count (pure Python)."""
 
 import logging
 
@@ -6,9 +6,9 @@ import pytest
 from sglang.kernels.ops.attention import sm120_mma_splits as splits
 from sglang.kernels.ops.attention.sm120_mma_splits import (
     ENV_NAME,
+    cta_count_for,
     parse_target_ctas,
-    resolve_split_count,
-    split_count_for,
+    resolve_cta_count,
 )
 
 
@@ -42,52 +42,23 @@ def test_knob_error_surfaces_when_read_from_the_environment(monkeypatch):
 
 
 def _shape(**over):
-    shape = dict(batch=16, head_blocks=1, num_tiles=64, tile_tokens=32, num_sms=132, ctas_per_sm=2)
+    shape = dict(batch=16, head_blocks=1, num_tiles=64, num_sms=132, ctas_per_sm=2)
     shape.update(over)
     return shape
 
 
-@pytest.mark.parametrize(
-    "target, batch, head_blocks, expected",
-    [
-        (512, 64, 1, 8),  # 64 x 1 x 8 = 512
-        (512, 16, 2, 16),  # 16 x 2 x 16 = 512
-        (256, 32, 4, 2),  # 32 x 4 x 2 = 256
-        (512, 128, 4, 1),  # already 512 CTAs without splitting
-        (100, 64, 1, 2),  # nearest: 64 x 2 = 128 is closer to 100 than 64
-        (1, 64, 1, 1),  # never fewer than one split
-    ],
-)
-def test_fixed_target_makes_ctas_about_n(target, batch, head_blocks, expected):
-    got = split_count_for(target, **_shape(batch=batch, head_blocks=head_blocks))
-    assert got == expected
+def test_fixed_target_is_the_cta_count():
+    assert cta_count_for(512, **_shape(batch=64)) == 512
+    assert cta_count_for(7, **_shape(batch=3, head_blocks=2)) == 7
 
 
-def test_fixed_target_is_capped_at_one_split_per_tile():
-    assert split_count_for(4096, **_shape(batch=1)) == 64
-    assert split_count_for(4096, **_shape(batch=1, num_tiles=1)) == 1
+def test_fixed_target_is_capped_at_one_cta_per_tile():
+    assert cta_count_for(4096, **_shape(batch=1)) == 64
+    assert cta_count_for(4096, **_shape(batch=2, head_blocks=3, num_tiles=1)) == 6
 
 
-def test_no_split_is_left_without_tiles():
-    for num_tiles in range(1, 70):
-        for target in (None, 7, 64, 512, 10_000):
-            for batch in (1, 3, 64):
-                n = split_count_for(target, **_shape(batch=batch, num_tiles=num_tiles))
-                per_split = -(-num_tiles // n)
-                assert 1 <= n <= num_tiles
-                assert (n - 1) * per_split < num_tiles, (num_tiles, target, batch, n)
-
-
-def test_auto_splits_small_batches_and_not_large_ones():
-    small = split_count_for(None, **_shape(batch=1))
-    large = split_count_for(None, **_shape(batch=512))
-    assert small > 4
-    assert large == 1
-    counts = [split_count_for(None, **_shape(batch=b)) for b in (1, 16, 64, 128, 256)]
-    assert counts == sorted(counts, reverse=True)
-
-
-# The targets' SM counts (datasheet) and the compiled stage 1's resident CTAs per SM there.
+# The targets' SM counts (datasheet) and the compiled stage 1's resident CTAs per SM there
+# (bench/kernel/audit prints them; test_kernel_audit.py checks the compiled figure).
 TARGET_SLOTS = {
     "rtx-pro-6000": (188, 1),
     "rtx-5090": (170, 1),
@@ -103,76 +74,76 @@ def _auto_on(key: str, batch: int, head_blocks: int, num_tiles: int) -> int:
     shape = _shape(
         batch=batch, head_blocks=head_blocks, num_tiles=num_tiles, num_sms=sms, ctas_per_sm=per_sm
     )
-    return split_count_for(None, **shape)
+    return cta_count_for(None, **shape)
+
+
+def _shares(units: int, ctas: int) -> list[int]:
+    """Units per CTA under the kernel's rule: CTA c walks [c W / C, (c + 1) W / C)."""
+    return [(c + 1) * units // ctas - c * units // ctas for c in range(ctas)]
 
 
 @pytest.mark.parametrize("key", TARGET_SLOTS)
-def test_auto_gives_a_single_request_a_wave_or_at_most_two_tiles_per_cta(key):
-    sms, per_sm = TARGET_SLOTS[key]
-    for num_tiles in (*TILE_COUNTS, 1, 7, 200, 1000):
-        for head_blocks in (1, 2, 4, 8):
-            n = _auto_on(key, 1, head_blocks, num_tiles)
-            ctas, per_cta = head_blocks * n, -(-num_tiles // n)
-            assert ctas <= sms * per_sm or n == 1, (num_tiles, head_blocks, n)
-            # One or two tiles per CTA, or as few as one wave allows: walking one tile fewer
-            # would need more CTAs than a wave holds.
-            fewer = per_cta - 1
-            assert per_cta <= 2 or head_blocks * -(-num_tiles // fewer) > sms * per_sm, (
-                num_tiles,
-                head_blocks,
-                n,
-            )
-
-
-@pytest.mark.parametrize("key", TARGET_SLOTS)
-def test_auto_gives_one_split_once_the_batch_fills_the_gpu(key):
-    sms, per_sm = TARGET_SLOTS[key]
-    for head_blocks in (1, 2, 4, 8):
-        full = -(-sms * per_sm // head_blocks)
-        for batch in (full, full + 1, 2 * full, 4 * full):
-            for num_tiles in (*TILE_COUNTS, 1, 1000):
-                n = _auto_on(key, batch, head_blocks, num_tiles)
-                assert n == 1, (batch, head_blocks, num_tiles, n)
-
-
-@pytest.mark.parametrize("key", TARGET_SLOTS)
-def test_auto_never_launches_an_empty_cta_or_more_than_three_waves_of_splits(key):
+def test_auto_fills_every_slot_of_its_wave_from_b16_to_b128(key):
+    # The issue's bar: at least 90% of the last wave's slots busy, and every CTA's share within
+    # one tile of every other's. Where a call has fewer tiles than the device has slots, no
+    # grid can fill it; there the count stays at most one CTA per tile.
     sms, per_sm = TARGET_SLOTS[key]
     slots = sms * per_sm
+    for batch in range(16, 129):
+        for head_blocks in (1, 2, 4, 8):
+            for num_tiles in TILE_COUNTS:
+                units = batch * head_blocks * num_tiles
+                n = _auto_on(key, batch, head_blocks, num_tiles)
+                shares = _shares(units, n)
+                assert min(shares) >= 1 and max(shares) - min(shares) <= 1
+                if units >= slots:
+                    waves = -(-n // slots)
+                    assert n >= 0.9 * waves * slots, (batch, head_blocks, num_tiles, n)
+                else:
+                    assert n <= units
+
+
+@pytest.mark.parametrize("key", TARGET_SLOTS)
+def test_auto_never_launches_an_empty_cta(key):
     for batch in (1, 2, 3, 8, 16, 31, 64, 96, 128, 200):
         for head_blocks in (1, 2, 4, 8):
-            for num_tiles in range(1, 80):
+            for num_tiles in (1, 2, 3, 4, 7, 20, 68, 79):
                 n = _auto_on(key, batch, head_blocks, num_tiles)
-                per_split = -(-num_tiles // n)
-                assert (n - 1) * per_split < num_tiles
-                assert n == 1 or -(-batch * head_blocks * n // slots) <= 3
+                assert 1 <= n <= batch * head_blocks * num_tiles
+                assert min(_shares(batch * head_blocks * num_tiles, n)) >= 1
 
 
-def test_auto_uses_more_sms_for_more_splits():
-    few = split_count_for(None, **_shape(batch=32, num_sms=16))
-    many = split_count_for(None, **_shape(batch=32, num_sms=188))
-    assert many > few
+def test_auto_weighs_walking_tiles_against_merging_pieces_for_one_request():
+    # One request of 20 tiles on 188 slots: a CTA per tile would leave one CTA merging 20
+    # pieces; the model gives each CTA a few tiles and the merge a few pieces.
+    n = cta_count_for(None, **_shape(batch=1, num_tiles=20, num_sms=188, ctas_per_sm=1))
+    assert 1 < n < 20
+    assert splits.pieces_per_row(1, 20, n) == n
+    assert splits.modelled_cost(1, 20, n) < splits.modelled_cost(1, 20, 20)
+    assert splits.modelled_cost(1, 20, n) < splits.modelled_cost(1, 20, 1)
 
 
-def test_auto_never_fills_one_wave_just_past_full():
-    # Wave quantization: at 132 SMs x 2 slots, 4 splits of 64 requests is 256 CTAs (one wave);
-    # 5 splits would need a second, nearly empty wave.
-    got = split_count_for(None, **_shape(batch=64, num_sms=132))
-    assert 64 * got <= 132 * 2
+def test_pieces_follow_the_kernels_share_rule():
+    # 3 rows of 5 tiles over 4 CTAs: shares [0,3) [3,7) [7,11) [11,15); row 1 = units 5-9 is
+    # cut between CTAs 1 and 2, row 0 between 0 and 1, row 2 between 2 and 3.
+    assert [splits.cta_of(u, 4, 15) for u in range(15)] == [0] * 3 + [1] * 4 + [2] * 4 + [3] * 4
+    assert splits.pieces_per_row(3, 5, 4) == 2
+    assert splits.pieces_per_row(3, 5, 3) == 1
+    assert splits.pieces_per_row(1, 20, 20) == 20
 
 
 def test_auto_counts_resident_ctas_per_sm():
     # The same device holding one CTA per SM instead of two has half the slots per wave.
-    one = split_count_for(None, **_shape(batch=64, num_sms=132, ctas_per_sm=1))
-    two = split_count_for(None, **_shape(batch=64, num_sms=132, ctas_per_sm=2))
-    assert 64 * one <= 132 < 64 * two <= 2 * 132
+    one = cta_count_for(None, **_shape(batch=64, num_sms=132, ctas_per_sm=1))
+    two = cta_count_for(None, **_shape(batch=64, num_sms=132, ctas_per_sm=2))
+    assert (one, two) == (132, 264)
 
 
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="positive shapes"):
-        split_count_for(None, **_shape(batch=0))
+        cta_count_for(None, **_shape(batch=0))
     with pytest.raises(ValueError, match="ctas_per_sm=0"):
-        split_count_for(None, **_shape(ctas_per_sm=0))
+        cta_count_for(None, **_shape(ctas_per_sm=0))
 
 
 def test_choice_is_logged_once_per_knob_and_shape(monkeypatch, caplog):
@@ -180,21 +151,17 @@ def test_choice_is_logged_once_per_knob_and_shape(monkeypatch, caplog):
     monkeypatch.setenv(ENV_NAME, "512")
     caplog.set_level(logging.INFO, logger=splits.__name__)
     for _ in range(3):
-        assert resolve_split_count(**_shape(batch=64)) == 8
-    assert resolve_split_count(**_shape(batch=32)) == 16
+        assert resolve_cta_count(tile_tokens=32, **_shape(batch=64)) == 512
+    assert resolve_cta_count(tile_tokens=32, **_shape(batch=4)) == 256
     lines = [r.getMessage() for r in caplog.records if ENV_NAME in r.getMessage()]
     assert len(lines) == 2
-    assert "batch 64" in lines[0] and "-> 8 splits, 512 CTAs" in lines[0]
-    assert "batch 32" in lines[1] and "-> 16 splits" in lines[1]
+    assert "batch 64" in lines[0] and "-> 512 CTAs, 8.0 tiles each" in lines[0]
+    assert "batch 4" in lines[1] and "-> 256 CTAs, 1.0 tiles each" in lines[1]
     monkeypatch.setenv(ENV_NAME, "auto")
-    resolve_split_count(**_shape(batch=64))
+    resolve_cta_count(tile_tokens=32, **_shape(batch=64))
     lines = [r.getMessage() for r in caplog.records if ENV_NAME in r.getMessage()]
     assert len(lines) == 3 and f"{ENV_NAME}=auto" in lines[2]
-
-
-def test_splits_round_to_equal_tile_counts():
-    # 16 splits of 40 tiles would be 3 tiles each, which 14 splits already cover.
-    assert split_count_for(512, **_shape(batch=32, num_tiles=40)) == 14
+    assert "-> 264 CTAs" in lines[2] and "100% of the wave's slots" in lines[2]
 
 
 def test_knob_is_registered_in_sglang_env_registry(monkeypatch):

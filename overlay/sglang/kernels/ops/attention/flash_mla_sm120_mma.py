@@ -387,6 +387,7 @@ def _sparse_decode_split_kernel(
     PREFETCH: tl.constexpr,
     NOPE_DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr = 4,
 ):
     """Stream-K over the call's work: W = rows x tiles_per_row units, a row being one head
     block of one request and a unit one KV tile of it. CTA c walks units
@@ -490,13 +491,26 @@ def _sparse_decode_split_kernel(
                 shift = tl.where(top == float("-inf"), 0.0, top)
                 total = tl.zeros([BLOCK_H], dtype=tl.float32)
                 merged = tl.zeros([8, BLOCK_H, 64], dtype=tl.float32)
-                for c in range(first, last + 1):
-                    slot = _piece_slot(c, row_lo, num_ctas, num_units) * BLOCK_H
-                    rows = slot + tl.arange(0, BLOCK_H)
-                    w = tl.math.exp2(tl.load(part_lse + rows, cache_modifier=".cg") - shift)
-                    total += w
-                    o = tl.load(part_o + rows[None, :, None] * 512 + d, cache_modifier=".cg")
-                    merged += w[None, :, None] * o.to(tl.float32)
+                # MERGE_UNROLL pieces' loads are issued together (masked past the last piece),
+                # so a many-piece row is merged at the L2's pace, not one round trip per piece.
+                for c0 in range(first, last + 1, MERGE_UNROLL):
+                    for i in tl.static_range(MERGE_UNROLL):
+                        c = c0 + i
+                        slot = _piece_slot(c, row_lo, num_ctas, num_units) * BLOCK_H
+                        rows = slot + tl.arange(0, BLOCK_H)
+                        here = c <= last
+                        part = tl.load(
+                            part_lse + rows, mask=here, other=float("-inf"), cache_modifier=".cg"
+                        )
+                        w = tl.math.exp2(part - shift)
+                        o = tl.load(
+                            part_o + rows[None, :, None] * 512 + d,
+                            mask=here,
+                            other=0.0,
+                            cache_modifier=".cg",
+                        )
+                        total += w
+                        merged += w[None, :, None] * o.to(tl.float32)
                 has_tokens = total > 0.0
                 safe_total = tl.where(has_tokens, total, 1.0)
                 lse2 = tl.where(has_tokens, shift + tl.math.log2(safe_total), float("-inf"))
