@@ -121,6 +121,50 @@ def test_env_diff_of_the_ab_overlays_is_the_one_knob_line():
     assert "1 line(s) differ" in done.stdout
 
 
+BACKEND_ARMS = {"flashinfer": "flashinfer.env", "mma": "mma.env"}
+
+
+def test_the_backend_ab_arms_differ_only_in_the_backend_and_env_check_takes_each(env_dir, tmp_path):
+    """env/ab/backend: upstream's FlashInfer kernel against ours, the A/B that decides
+    common.env's default. Each arm is applied as bench/ab applies it and must pass env check."""
+    from bench.lib.arms import apply_overlay
+    from launch.pdlib import envfiles
+
+    backend_dir = ROOT / "env" / "ab" / "backend"
+    assert sorted(p.name for p in backend_dir.iterdir()) == sorted(BACKEND_ARMS.values())
+    done = run_pd("env", "diff", *(str(backend_dir / name) for name in BACKEND_ARMS.values()))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 line(s) differ" in done.stdout, done.stdout
+    for value, name in BACKEND_ARMS.items():
+        lines = envfiles.parse_file(backend_dir / name)
+        assert [(ln.key, ln.value) for ln in lines] == [("SGLANG_SM120_FLASHMLA_BACKEND", value)]
+        assert envfiles.knob_value_error("SGLANG_SM120_FLASHMLA_BACKEND", value) is None
+        arm = tmp_path / f"env-{value}"
+        apply_overlay(env_dir, backend_dir / name, arm)
+        # The overlay replaces common.env's line (nothing appended): both engines run the arm.
+        assert "added by bench/ab" not in (arm / "decode.env").read_text()
+        for role in ("prefill", "decode"):
+            assert envfiles.EnvDir(arm).role_env(role)["SGLANG_SM120_FLASHMLA_BACKEND"] == value
+        checked = env_check(arm)
+        assert checked.returncode == 0, checked.stdout
+
+
+def test_common_env_names_the_ab_that_decides_its_backend():
+    """The default backend's comment names the A/B that decides it, with files that exist."""
+    lines = (ROOT / "env" / "common.env").read_text().splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("SGLANG_SM120_FLASHMLA_BACKEND="))
+    above = []
+    for ln in reversed(lines[:at]):
+        if not ln.startswith("#"):
+            break
+        above.append(ln)
+    command = next(ln.lstrip("# ") for ln in above if ln.startswith("# bench/ab "))
+    words = command.split()
+    overlays = [words[words.index(flag) + 1] for flag in ("--a", "--b")]
+    assert overlays == [f"env/ab/backend/{name}" for name in BACKEND_ARMS.values()]
+    assert all((ROOT / path).is_file() for path in overlays)
+
+
 def test_env_diff_of_two_dirs_shows_only_changed_keys_and_redacts_secrets(env_dir, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(env_dir, other)
