@@ -26,7 +26,9 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
@@ -181,6 +183,13 @@ def parse_args(argv, targets):
         "per SM; for trying a tile before changing sm120_mma_fit.CONFIGS (default: none)",
     )
     p.add_argument(
+        "--compare",
+        type=lambda text: [v.strip() for v in text.split(",") if v.strip()],
+        help="also audit the kernel of these git revisions of this repository (comma-separated, "
+        "e.g. dc905b5,da6d56d) in the same run, and print their stage-1 facts next to the "
+        "audited kernel's, shape by shape (default: none)",
+    )
+    p.add_argument(
         "--kit",
         type=Path,
         help="import the kernel from this GPU kit (bench/kernel/gpu_session --prepare) instead "
@@ -209,6 +218,14 @@ def parse_args(argv, targets):
 
         if not torch.cuda.is_available():
             p.error(f"--targets {REAL_DEVICE}: no CUDA device is visible")
+    for rev in args.compare or ():
+        done = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            p.error(f"--compare {rev}: not a commit of this repository")
     if args.kernel_dir is not None and not args.kernel_dir.is_dir():
         p.error(f"--kernel-dir {args.kernel_dir}: not a directory")
     return args
@@ -271,13 +288,29 @@ def _launch_args(torch, shape: Shape, device: str = "cpu") -> tuple:
     )
 
 
-def traffic_model(shape: Shape, head_blocks: int, splits: int) -> dict:
-    """Bytes one call must move (a model): the mma kernel and upstream's per-head Triton kernel."""
+def stream_k_pieces(rows: int, tiles: int, ctas: int) -> int:
+    """Pieces a stream-K launch writes and merges: one per (CTA, row) pair of a row that is cut
+    between CTAs (CTA c walks units [c W / C, (c + 1) W / C) of W = rows x tiles)."""
+    units = rows * tiles
+
+    def cta_of(unit: int) -> int:
+        return ((unit + 1) * ctas - 1) // units
+
+    pieces = (cta_of(r * tiles + tiles - 1) - cta_of(r * tiles) + 1 for r in range(rows))
+    return sum(p for p in pieces if p > 1)
+
+
+def traffic_model(shape: Shape, head_blocks: int, pieces: int, block_h: int = 16) -> dict:
+    """Bytes one call must move (a model): the mma kernel and upstream's per-head Triton kernel.
+
+    ``pieces`` are the partial outputs written and read back: split partials of a split-K
+    grid, or the pieces of rows cut between CTAs of a stream-K one; each is BLOCK_H heads of
+    512 bf16 values and an fp32 log2-sum-exp, written once and read once."""
     b, h, t = shape.batch, shape.heads, shape.tokens
     indices = b * t * 4
     q_out = b * h * HEAD_DIM * 2 * 2 + b * h * 4
     kv_mma = b * head_blocks * t * BYTES_PER_TOKEN
-    partials = 2 * b * h * splits * (HEAD_DIM + 1) * 4 if splits > 1 else 0
+    partials = 2 * pieces * block_h * (HEAD_DIM * 2 + 4)
     kv_upstream = b * h * t * BYTES_PER_TOKEN
     return {
         "kv_bytes": kv_mma,
@@ -285,6 +318,23 @@ def traffic_model(shape: Shape, head_blocks: int, splits: int) -> dict:
         "mma_bytes": kv_mma + partials + q_out + indices,
         "upstream_triton_bytes": kv_upstream + q_out + indices,
     }
+
+
+def _pieces_of(launch, head_blocks: int, batch: int, tiles: int) -> int:
+    """Partial outputs of a stage-1 launch. The split-K kernel (its SINGLE_SPLIT flag; grid
+    head blocks x splits x batch) writes one per CTA when it has more than one split; the
+    stream-K kernel (grid C), one per CTA of each row cut between CTAs."""
+    grid = launch.grid
+    if "SINGLE_SPLIT" in dict(launch.variant):
+        return 0 if grid[1] == 1 else grid[0] * grid[1] * grid[2]
+    return stream_k_pieces(batch * head_blocks, tiles, grid[0])
+
+
+def _rows_and_tiles(shape: Shape, variant: dict) -> tuple[int, int]:
+    """(head blocks, KV tiles per request) of a shape under a compiled variant's tile sizes."""
+    block_h, block_t = variant.get("BLOCK_H", 16), variant.get("BLOCK_T", 32)
+    extra = EXTRAS[shape.extra][0]
+    return -(-shape.heads // block_h), -(-SWA_TOKENS // block_t) + -(-extra // block_t)
 
 
 def upstream_padded_heads(heads: int) -> int:
@@ -305,14 +355,13 @@ def _padded_model(mma, torch, dev, shape: Shape, device: str) -> dict:
         mma.flash_mla_sparse_decode_mma(*_launch_args(torch, padded, device))
     except Exception as err:
         return {"padded_heads": width, "padded_error": f"{type(err).__name__}: {err}"}
-    head_blocks, splits, _ = next(
-        launch.grid for launch in dev.launches if launch.kernel == "_sparse_decode_split_kernel"
-    )
-    model = traffic_model(padded, head_blocks, splits)
+    launch = next(lc for lc in dev.launches if lc.kernel == "_sparse_decode_split_kernel")
+    head_blocks, tiles = _rows_and_tiles(padded, dict(launch.variant))
+    model = traffic_model(padded, head_blocks, _pieces_of(launch, head_blocks, padded.batch, tiles))
     return {
         "padded_heads": width,
         "padded_head_blocks": head_blocks,
-        "padded_splits": splits,
+        "padded_ctas": launch.ctas,
         "padded_kv_bytes": model["kv_bytes"],
         "padded_mma_bytes": model["mma_bytes"],
     }
@@ -401,13 +450,21 @@ def audit_target(
                 launches.append({"kernel": launch.kernel, "grid": list(launch.grid)})
                 if launch.kernel == "_sparse_decode_split_kernel":
                     record["stage1_kernel"] = list(kernels).index(variant)
-                    record["head_blocks"], record["splits"], _ = launch.grid
+                    head_blocks, tiles = _rows_and_tiles(shape, dict(launch.variant))
+                    record["head_blocks"], record["tiles"] = head_blocks, tiles
+                    record["units"] = shape.batch * head_blocks * tiles
                     record["ctas"] = launch.ctas
+                    record["pieces"] = _pieces_of(launch, head_blocks, shape.batch, tiles)
                     slots = target.sms * kernels[variant]["ctas_per_sm"]
+                    record["slots"] = slots
                     record["waves"] = math.ceil(launch.ctas / slots) if slots else None
+                    # Busy share of the last wave's slots (every wave before it is full).
+                    record["fill"] = (
+                        round(launch.ctas / (record["waves"] * slots), 4) if slots else None
+                    )
             record["launches"] = launches
-            if "splits" in record:
-                record.update(traffic_model(shape, record["head_blocks"], record["splits"]))
+            if "ctas" in record:
+                record.update(traffic_model(shape, record["head_blocks"], record["pieces"]))
                 record.update(_padded_model(mma, torch, dev, shape, device))
             records.append(record)
     return {
@@ -461,6 +518,7 @@ def _kernel_record(launch, target) -> dict:
         "global_loads": res.global_loads,
         "global_loads_128": res.global_loads_128,
         "global_loads_u8": res.global_loads_u8,
+        **_tile_loop(res, variant),
         # Bytes of KV tiles that the resident stage-1 CTAs of one SM have requested at once:
         # the tile being waited for plus the PREFETCH tiles issued ahead of it.
         "tile_bytes_in_flight_per_sm": (
@@ -471,6 +529,28 @@ def _kernel_record(launch, target) -> dict:
             if "BLOCK_T" in variant
             else None
         ),
+    }
+
+
+def mma_minimum_per_tile(block_h: int, block_t: int) -> int:
+    """m16n8k16 MMAs one KV tile needs for a head block: the scores [BLOCK_H, BLOCK_T] over
+    K = 512 and P.V [BLOCK_H, 512] over K = BLOCK_T, each computed once."""
+    m = -(-block_h // 16)
+    return m * (block_t // 8) * (HEAD_DIM // 16) + m * (HEAD_DIM // 8) * -(-block_t // 16)
+
+
+def _tile_loop(res, variant: dict) -> dict:
+    """Stage 1's tile loop as compiled: MMA per tile against the tile's minimum, and the
+    shared-memory bytes the CTA reads and writes per tile (per-warp SASS counts x warps)."""
+    if "BLOCK_T" not in variant or not res.loop_mma:
+        return {}
+    minimum = mma_minimum_per_tile(variant.get("BLOCK_H", 16), variant["BLOCK_T"])
+    return {
+        "mma_per_tile": res.loop_mma * res.num_warps,
+        "mma_minimum_per_tile": minimum,
+        "mma_ratio": round(res.loop_mma * res.num_warps / minimum, 3),
+        "shared_read_per_tile": res.loop_shared_read_bytes * res.num_warps,
+        "shared_written_per_tile": res.loop_shared_write_bytes * res.num_warps,
     }
 
 
@@ -544,20 +624,27 @@ def _print_target(result: dict, show_shapes: bool) -> None:
             + ", ".join(f"{b:,}" for b in sorted(in_flight))
         )
     print(
-        f"   {'kernel':<52} {'shared / limit':>17} {'regs':>4} {'spill':>5} "
-        f"{'CTA/SM (limit)':<18} {'MMA':>4} {'LDG':>4} {'128b':>5} {'u8':>3}"
+        f"   {'kernel':<44} {'shared / limit':>17} {'regs':>4} {'spill':>5} "
+        f"{'CTA/SM (limit)':<18} {'MMA':>4} {'MMA/tile (min)':>14} {'smem rd/tile':>12} "
+        f"{'LDG':>4} {'128b':>5} {'u8':>3}"
     )
     for k in result["kernels"]:
         name = "stage1" if k["kernel"] == "_sparse_decode_split_kernel" else "combine"
         share = k["global_loads_128"] / k["global_loads"] if k["global_loads"] else 0.0
         spill = k["local_bytes"] + 4 * (k["spill_stores"] + k["spill_loads"])
         occ = f"{k['ctas_per_sm']} ({k['limited_by']})"
+        per_tile = (
+            f"{k['mma_per_tile']} ({k['mma_minimum_per_tile']}) {k['mma_ratio']:.2f}x"
+            if "mma_per_tile" in k
+            else "-"
+        )
+        smem = f"{k['shared_read_per_tile']:,} B" if "shared_read_per_tile" in k else "-"
         print(
-            f"   {name + ' ' + _variant_label(k['variant']):<52} "
+            f"   {name + ' ' + _variant_label(k['variant']):<44} "
             f"{k['shared_bytes']:>7,} / {k['shared_limit']:<7,} {k['registers']:>4} "
             f"{'yes' if spill else 'no':>5} {occ:<18} "
-            f"{k['tensor_core_ops']:>4} {k['global_loads']:>4} {share:>5.0%} "
-            f"{k['global_loads_u8']:>3}"
+            f"{k['tensor_core_ops']:>4} {per_tile:>14} {smem:>12} "
+            f"{k['global_loads']:>4} {share:>5.0%} {k['global_loads_u8']:>3}"
         )
     shapes = result["shapes"]
     loaded = sum("error" not in r for r in shapes)
@@ -595,14 +682,63 @@ def _print_shape(r: dict, t: dict) -> None:
         )
     at = f" at the {t['datasheet_gbps']:.0f} GB/s datasheet bandwidth" if bw else ""
     print(
-        f"   {_shape_of(r)}: grid {r['head_blocks']}x{r['splits']}x{r['batch']} = {r['ctas']} "
-        f"CTAs, {r['waves']} wave(s); model: {size(r['mma_bytes'])} vs upstream triton "
-        f"{size(r['upstream_triton_bytes'])}{at}{padded}"
+        f"   {_shape_of(r)}: {r['units']} tiles on {r['ctas']} CTAs, {r['waves']} wave(s) of "
+        f"{r['slots']} slots, last wave {r['fill']:.0%} busy, {r['pieces']} partial(s); model: "
+        f"{size(r['mma_bytes'])} vs upstream triton {size(r['upstream_triton_bytes'])}{at}"
+        f"{padded}"
     )
 
 
 def _shape_of(record: dict) -> Shape:
     return Shape(**{k: record[k] for k in Shape.__dataclass_fields__})
+
+
+_KERNEL_PATH = "overlay/sglang/kernels/ops/attention"
+
+
+def _revision_dir(rev: str, into: Path) -> str:
+    """The kernel modules of a git revision, written into a directory for --kernel-dir."""
+    into.mkdir(parents=True)
+    for name in _KERNEL_MODULES:
+        done = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:{_KERNEL_PATH}/{name}.py"],
+            capture_output=True,
+        )
+        if done.returncode == 0:
+            (into / f"{name}.py").write_bytes(done.stdout)
+    return str(into)
+
+
+def _comparison_rows(label: str, result: dict) -> list[str]:
+    rows = []
+    t = result["target"]
+    for r in result["shapes"]:
+        if "error" in r:
+            rows.append(f"   {label:<10} {t['key']:<13} {_shape_of(r)}: does not load")
+            continue
+        k = result["kernels"][r["stage1_kernel"]]
+        ratio = f"{k['mma_ratio']:.2f}x" if "mma_ratio" in k else "-"
+        smem = f"{k['shared_read_per_tile'] / 1024:.0f} KiB" if "shared_read_per_tile" in k else "-"
+        rows.append(
+            f"   {label:<10} {t['key']:<13} {str(_shape_of(r)):<26} "
+            f"t{k['variant'].get('BLOCK_T', '?'):<3} {k['registers']:>4} "
+            f"{k['ctas_per_sm']} ({k['limited_by']}){'':<3} {ratio:>6} {smem:>9} "
+            f"{r['ctas']:>5} {r['slots']:>5} {r['fill']:>5.0%} {r['pieces']:>6} "
+            f"{r['mma_bytes'] / 1e6:>8.2f}"
+        )
+    return rows
+
+
+def _print_comparison(labelled: list[tuple[str, dict]]) -> None:
+    print(
+        "\n== stage 1 side by side (compiled facts; MB is the traffic model)\n"
+        f"   {'kernel':<10} {'target':<13} {'shape':<26} {'tile':<4} {'regs':>4} "
+        f"{'CTA/SM (limit)':<18} {'MMA/min':>6} {'smem/tile':>9} {'CTAs':>5} {'slots':>5} "
+        f"{'fill':>5} {'pieces':>6} {'model MB':>8}"
+    )
+    for label, result in labelled:
+        for row in _comparison_rows(label, result):
+            print(row)
 
 
 def main(argv=None) -> int:
@@ -623,25 +759,41 @@ def main(argv=None) -> int:
     jobs = [
         (key, shapes, args.target_ctas, kernel_dir, kit, args.stage1_config) for key in args.targets
     ]
+    scratch = tempfile.TemporaryDirectory(prefix="kernel-audit-")
+    labels = ["audited"] * len(jobs)
+    for rev in args.compare or ():
+        rev_dir = _revision_dir(rev, Path(scratch.name) / rev)
+        jobs += [(key, shapes, args.target_ctas, rev_dir, None, None) for key in args.targets]
+        labels += [rev] * len(args.targets)
     args.jobs = min(args.jobs, len(jobs))
     print(
         f"kernel_audit: {len(shapes)} shapes x {len(args.targets)} targets, "
         f"{args.jobs} process(es); compiling for each target (a few minutes the first time)",
         flush=True,
     )
-    if args.jobs == 1:
+    if args.jobs == 1 and not args.compare:
         results = [audit_target(*job) for job in jobs]
     else:
         import multiprocessing
 
+        # A process per job when revisions are compared: each imports its own kernel modules.
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+        with ProcessPoolExecutor(
+            max_workers=min(args.jobs, len(jobs)),
+            mp_context=ctx,
+            max_tasks_per_child=1 if args.compare else None,
+        ) as pool:
             futures = [pool.submit(audit_target, *job) for job in jobs]
             results = [f.result() for f in futures]
+    scratch.cleanup()
+    compared = [(label, r) for label, r in zip(labels, results, strict=True) if label != "audited"]
+    results = [r for label, r in zip(labels, results, strict=True) if label == "audited"]
     problems = []
     for result in results:
         _print_target(result, args.shapes)
         problems += findings(result)
+    if compared:
+        _print_comparison([("audited", r) for r in results] + compared)
     wall = time.monotonic() - start
     print(f"\nkernel_audit: {len(shapes) * len(results)} launches audited in {wall:.0f} s")
     if problems:
@@ -664,6 +816,7 @@ def main(argv=None) -> int:
             "bandwidths, not measurements",
             "findings": problems,
             "results": results,
+            "compared": [{"revision": label, **r} for label, r in compared],
         }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -5,6 +5,11 @@
   bench/kernel/gpu_session --out DIR   on the GPU: the whole session, results in DIR (default $OUT)
   bench/kernel/gpu_session --rehearse  the same sequence on CPU, in a venv of the device's versions
 
+The call is made with the device kind nvidia-h200: the audit compares the real device with the
+virtual H200 (sm_90, 132 SMs; bench/kernel/lib/virtual_gpu.py). At start the session checks the
+real device's name, SM count and architecture against it; on another device (an H100, say) the
+mismatch is recorded and only the real-against-virtual audit comparison is skipped.
+
 The session, each part in a process of its own with a time budget (a part that no longer fits
 is skipped and says so; elapsed time is printed per part):
   1. correctness   tests/kernel/gpu_check.py compare (every case, every TARGET_CTAS value), graph
@@ -17,9 +22,15 @@ is skipped and says so; elapsed time is printed per part):
   4. ncu           where Nsight Compute (ncu) is found: mma, mma-main and the gather at B=1 and
                    64 (16 heads, extra 512) profiled; duration, DRAM bytes read against the
                    unique bytes, top stall reasons (skipped, with the reason, without ncu)
-  5. audit         bench/kernel/audit on the real device (launches recorded) and on the virtual
-                   H200; registers, shared memory and CTAs per SM compared shape by shape: a
-                   mismatch means the virtual audit is wrong somewhere
+  5. audit         bench/kernel/audit on the virtual H200 and on the real device (launches
+                   recorded), over the shapes the bench times (its plan's heads, batches and
+                   extra lists, sink and lengths on); registers, shared memory, CTAs per SM and
+                   splits compared shape by shape: a mismatch means the virtual audit is wrong
+
+Every part's process reports the Python, torch, triton and numpy it ran with; the record gives
+those, per part and merged. gpu_session.json and the compact record are rewritten in --out
+(atomically) when a part starts and when it ends, and while the bench runs as its JSON grows,
+with "complete": false until the last write: a call killed at its limit returns what finished.
 
 The GPU machine has torch and triton but not sglang's dependencies, and no registry: the kernel
 comes from the kit (bench/kernel/lib/gpu_kit.py), the kernel and upstream's SM120 dispatch
@@ -28,14 +39,19 @@ kernel (our kernel at --baseline-commit, from git) that the bench times as mma-m
 --out: gpu_session.json (everything), kernel.png, and the compact record (at most 200 KB) to
 copy into bench/kernel/results/. The summary prints the issue's targets as pass or fail. Exit
 status: 0; 1 when a correctness check fails; 3 when the real and virtual audits disagree (and
-none failed); 2 on bad arguments.
+none failed); 2 on bad arguments; 143 when stopped by SIGTERM (what finished is kept).
 """
 
 import argparse
+import contextlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,19 +74,31 @@ REHEARSE_NUMPY = "2.3.5"
 KIT_LIMIT_BYTES = 50 * 1024 * 1024
 DEFAULT_BUDGET_S = 480
 RUN_TIMEOUT_S = 560
+# The device kind the call names, and the virtual target (bench/kernel/lib/virtual_gpu.py) its
+# real-device audit is compared with: the two must be the same product.
+DEVICE_KIND = "nvidia-h200"
+VIRTUAL_TARGET = "h200"
 # Seconds each part may take at most; the bench takes what is left after keeping ncu's and the
 # audit's.
 PART_BUDGETS = {"correctness": 150, "bandwidth": 20, "ncu": 60, "audit": 120}
 # The bench stops starting points this long before its part's end (start-up, one last point).
 BENCH_MARGIN_S = 30
-# Shapes the rehearsal audits (the GPU run audits the default grid).
-QUICK_AUDIT = ["--heads", "16,64", "--batch", "1,64", "--extra", "none,c4-512", "--sink", "on"]
+# The microbench options that choose the bench's points: none, its default grid (the issue's
+# target shapes first). The audits cover the same shapes (audit_shape_args).
+BENCH_SHAPES: list[str] = []
 # The points Nsight Compute profiles.
 NCU_POINTS = ["--first", "none", "--batch", "1,64", "--heads", "16", "--extra", "512"]
 NCU_ROWS = ["--targets", "auto", "--backends", "mma,mma-main,gather"]
 # The rehearsal's bench: the microbench's plan, inputs and one call per row in the interpreter.
 DRY_RUN_BENCH = ["--dry-run", "--first", "none", "--batch", "2", "--heads", "16", "--swa", "16"]
 DRY_RUN_BENCH += ["--extra", "16", "--targets", "auto,64", "--backends", "mma,mma-main,gather"]
+# How often a running part is looked at (the bench's JSON folded into the session's).
+POLL_S = 1.0
+RESULT_FILE = "gpu_session.json"
+# The hidden first argument of a part that runs one of the kit's tools in this script's process:
+# --tool VERSIONS_FILE MODULE ARGS...
+TOOL_FLAG = "--tool"
+TOOLS = {"microbench": "bench.kernel.microbench", "audit": "bench.kernel.audit"}
 
 
 def parse_args(argv):
@@ -90,7 +118,9 @@ def parse_args(argv):
         f"{DEVICE_VERSIONS['triton']} ({REHEARSE_VENV}, created on first use, with numpy "
         f"{REHEARSE_NUMPY}); the bench runs as a dry run, the other timing parts are skipped",
     )
-    mode.add_argument("--child", choices=("correctness", "bandwidth"), help=argparse.SUPPRESS)
+    mode.add_argument(
+        "--child", choices=("correctness", "bandwidth", "device"), help=argparse.SUPPRESS
+    )
     p.add_argument("--kit", type=Path, default=Path(DEFAULT_KIT), help="(default: %(default)s)")
     p.add_argument(
         "--baseline-commit",
@@ -124,6 +154,7 @@ def parse_args(argv):
     )
     p.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--child-versions", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.budget_s <= 0:
         p.error("--budget-s must be > 0")
@@ -154,6 +185,25 @@ def _series_wheel() -> tuple[Path, str]:
     return wheels[0], label
 
 
+def run_instructions(kit: str) -> str:
+    """The one call to make on the lent GPU, for the kit at kit (relative to the root)."""
+    from bench.kernel.lib.virtual_gpu import TARGETS
+
+    target = TARGETS[VIRTUAL_TARGET]
+    return (
+        "Run it on the lent GPU in one call (the working tree travels; the kit is ignored by "
+        "git, so carry it):\n"
+        f"  kind:      {DEVICE_KIND}\n"
+        f"  carry:     {json.dumps([kit])}\n"
+        f'  command:   python3 bench/kernel/gpu_session.py --kit {kit} --out "$OUT"\n'
+        f"  timeout_s: {RUN_TIMEOUT_S}\n"
+        f"The session keeps within {DEFAULT_BUDGET_S} s; the timeout leaves room for start-up. "
+        f"Name the kind {DEVICE_KIND}: the real device's audit is compared with the virtual "
+        f"{target.name} ({target.sm}, {target.sms} SMs); on another device (an H100, say) the "
+        "session records the mismatch and skips that comparison."
+    )
+
+
 def prepare(kit: Path, baseline_commit: str) -> int:
     from bench.kernel.lib.gpu_kit import baseline_files, build_kit, kit_bytes
 
@@ -174,18 +224,60 @@ def prepare(kit: Path, baseline_commit: str) -> int:
     if size > KIT_LIMIT_BYTES:
         print(f"gpu_session: the kit is over {KIT_LIMIT_BYTES // 2**20} MiB", file=sys.stderr)
         return 1
-    print(
-        "\nRun it on the lent GPU in one call (the working tree travels; the kit is ignored by "
-        "git, so carry it):\n"
-        f"  carry:     {json.dumps([rel])}\n"
-        f'  command:   python3 bench/kernel/gpu_session.py --kit {rel} --out "$OUT"\n'
-        f"  timeout_s: {RUN_TIMEOUT_S}\n"
-        f"The session keeps within {DEFAULT_BUDGET_S} s; the timeout leaves room for start-up."
-    )
+    print("\n" + run_instructions(rel))
     return 0
 
 
 # --- children ----------------------------------------------------------------------------------
+
+
+def runtime_versions() -> dict:
+    """This process's Python and the installed torch, triton and numpy it imports (each where
+    importable; read from the distribution, so nothing is imported for it), and torch's CUDA
+    once torch is loaded."""
+    versions = {"python": platform.python_version(), "executable": sys.executable}
+    for name in ("torch", "triton", "numpy"):
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = getattr(sys.modules.get(name), "__version__", "unknown")
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch.version, "cuda", None):
+        versions["cuda"] = torch.version.cuda
+    return versions
+
+
+def _write_json(path: Path, text: str) -> None:
+    """Replace path with text atomically: a reader (or a kill) sees the old file or the new."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def reporting_versions(path: Path | None):
+    """Write runtime_versions() to path before the part runs and again when it ends, so a part
+    that is killed still says what it ran with."""
+    if path is None:
+        yield
+        return
+    _write_json(path, json.dumps(runtime_versions()))
+    try:
+        yield
+    finally:
+        _write_json(path, json.dumps(runtime_versions()))
+
+
+def run_tool(versions_out: str, tool: str, argv: list[str]) -> None:
+    """One of the kit's tools (microbench, audit) as a part, in this process, reporting its
+    versions; exits with the tool's status."""
+    from tools.entry import call
+
+    with reporting_versions(Path(versions_out)):
+        module = importlib.import_module(TOOLS[tool])
+        call(f"bench/kernel/{tool}", lambda: module.main(argv))
 
 
 def child_correctness(args) -> dict:
@@ -215,7 +307,6 @@ def child_correctness(args) -> dict:
 
 def _capture(lines: list, fn, *args) -> None:
     """Run a gpu_check function, keeping the 'ok ...' lines it prints."""
-    import contextlib
     import io
 
     buf = io.StringIO()
@@ -242,75 +333,77 @@ def child_bandwidth(_args) -> dict:
     }
 
 
-# --- the session -------------------------------------------------------------------------------
+def child_device(_args) -> dict:
+    """The CUDA device's name, SM count and capability, probed in a process of its own (the
+    session itself holds no CUDA context)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"cuda": False}
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "cuda": True,
+        "name": props.name,
+        "sms": props.multi_processor_count,
+        "capability": f"{props.major}.{props.minor}",
+    }
 
 
-class Session:
-    def __init__(self, args, python: str, rehearsal: bool):
-        self.args = args
-        self.python = python
-        self.rehearsal = rehearsal
-        self.start = time.monotonic()
-        self.parts: list[dict] = []
-        self.tmp = Path(tempfile.mkdtemp(prefix="gpu-session-"))
-        self.out: Path | None = None
+# --- what the parts run on ---------------------------------------------------------------------
 
-    def remaining(self) -> float:
-        return self.args.budget_s - (time.monotonic() - self.start)
 
-    def run(self, name: str, cmd: list[str], budget: float, interpret: bool = False) -> dict:
-        """Run one part as a process of its own, within min(budget, what is left)."""
-        allowed = min(budget, self.remaining())
-        part = {"part": name, "command": " ".join(cmd[1:])}
-        if allowed < 5:
-            part.update(status="skipped", why=f"{self.remaining():.0f} s left of the budget")
-            print(f"== {name}: skipped, {part['why']}", flush=True)
-            self.parts.append(part)
-            return part
-        print(f"== {name} (up to {allowed:.0f} s)", flush=True)
-        began = time.monotonic()
-        full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        if interpret:
-            full_env["TRITON_INTERPRET"] = "1"
-        try:
-            done = subprocess.run(
-                cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=allowed
+def audit_shape_args(bench_args: list[str]) -> list[str]:
+    """The audit's shape options for the points the bench with bench_args times: the heads,
+    batches and extra lists of its plan (the audit takes their product, which is the plan for
+    a grid like the default one), with the sink and topk lengths on, as the bench's inputs
+    have them. ValueError for a bench the audit cannot model (an SWA list other than its own,
+    an extra list it has no name for)."""
+    from bench.kernel.audit import EXTRAS, SWA_TOKENS
+    from bench.kernel.microbench import parse_args as bench_parse_args
+    from bench.kernel.microbench import plan_points
+
+    # The bench's extra list is in 64-token pages (c4); none is 0 tokens.
+    by_tokens = {tokens: name for name, (tokens, page) in EXTRAS.items() if page in (0, 64)}
+    points = plan_points(bench_parse_args(bench_args))
+    for p in points:
+        if p["swa"] != SWA_TOKENS or p["extra"] not in by_tokens:
+            raise ValueError(
+                f"the audit models {SWA_TOKENS} SWA tokens and extra lists of "
+                f"{sorted(by_tokens)} tokens in 64-token pages, not SWA {p['swa']} with extra "
+                f"{p['extra']}"
             )
-            part["rc"] = done.returncode
-            part["status"] = "ok" if done.returncode == 0 else "failed"
-            part["output_tail"] = (done.stdout + done.stderr)[-4000:]
-        except subprocess.TimeoutExpired as err:
-            part["status"] = "timed out"
-            out = (err.stdout or b"") + (err.stderr or b"")
-            part["output_tail"] = out.decode(errors="replace")[-4000:]
-        part["seconds"] = round(time.monotonic() - began, 1)
-        print(f"   {part['status']} in {part['seconds']} s", flush=True)
-        if part["status"] != "ok":
-            print(part["output_tail"][-1500:], flush=True)
-        self.parts.append(part)
-        return part
 
-    def skip(self, name: str, why: str) -> None:
-        print(f"== {name}: skipped, {why}", flush=True)
-        self.parts.append({"part": name, "status": "skipped", "why": why})
+    def listed(key: str) -> str:
+        return ",".join(str(v) for v in sorted({p[key] for p in points}))
 
-    def child(self, name: str, budget: float, *extra: str, interpret: bool = False) -> dict:
-        out = self.tmp / f"{name}.json"
-        cmd = [
-            self.python,
-            str(Path(__file__).resolve()),
-            "--child",
-            name,
-            "--kit",
-            str(self.args.kit),
-            "--child-out",
-            str(out),
-            *extra,
-        ]
-        part = self.run(name, cmd, budget, interpret)
-        if out.exists():
-            part["result"] = json.loads(out.read_text())
-        return part
+    extras = ",".join(by_tokens[e] for e in sorted({p["extra"] for p in points}))
+    shapes = ["--heads", listed("heads"), "--batch", listed("batch"), "--extra", extras]
+    return [*shapes, "--sink", "on", "--lengths", "on"]
+
+
+def audit_args(kit: Path, target: str, json_path: Path) -> list[str]:
+    """bench/kernel/audit's options for one target: the shapes the GPU run's bench times."""
+    args = ["--kit", str(kit), "--targets", target, "--json", str(json_path)]
+    return [*args, *audit_shape_args(BENCH_SHAPES)]
+
+
+def device_check(name: str, sms: int, capability: str, target) -> dict:
+    """The real device against the virtual target its audit is compared with: the same product
+    (the target's name), SM count and architecture, or the mismatches."""
+    product = target.name.split(" (")[0]
+    mismatches = []
+    if product.lower() not in name.lower():
+        mismatches.append(f"the device is {name!r}, not an {product}")
+    if sms != target.sms:
+        mismatches.append(f"{sms} SMs, not {target.sms}")
+    if capability.replace(".", "") != str(target.arch):
+        mismatches.append(f"sm_{capability.replace('.', '')}, not {target.sm}")
+    return {
+        "target": target.key,
+        "virtual": {"name": target.name, "sms": target.sms, "arch": target.sm},
+        "real": {"name": name, "sms": sms, "capability": capability},
+        "mismatches": mismatches,
+    }
 
 
 def _compare_audits(virtual: dict, real: dict) -> list[dict]:
@@ -342,20 +435,271 @@ def _compare_audits(virtual: dict, real: dict) -> list[dict]:
     return mismatches
 
 
-def _bench(s: Session, rehearsal: bool) -> dict | None:
+def audit_comparison(audits: dict, check: dict | None) -> tuple[list[dict] | None, str | None]:
+    """The real device's audit against the virtual target's: the shapes that differ, or None
+    and why it was not compared."""
+    if VIRTUAL_TARGET not in audits or "cuda" not in audits:
+        return None, f"needs both audits ({VIRTUAL_TARGET} and cuda)"
+    if check and check.get("mismatches"):
+        return None, (
+            f"the real device is not the virtual {check['virtual']['name']} "
+            f"({'; '.join(check['mismatches'])}): their audits differ by design"
+        )
+    return _compare_audits(audits[VIRTUAL_TARGET], audits["cuda"]), None
+
+
+def versions_ran(parts: list[dict]) -> dict:
+    """The versions the parts' processes reported: one value per name where they agree, else
+    the value per part."""
+    merged = {}
+    names = dict.fromkeys(k for p in parts for k in p.get("versions", {}))
+    for name in names:
+        values = {p["part"]: p["versions"][name] for p in parts if name in p.get("versions", {})}
+        distinct = set(values.values())
+        merged[name] = distinct.pop() if len(distinct) == 1 else values
+    return merged
+
+
+# --- the session -------------------------------------------------------------------------------
+
+
+class Terminated(Exception):
+    """SIGTERM arrived: the session stops, keeping what finished."""
+
+
+def _terminate(_signum, _frame):
+    raise Terminated
+
+
+class Session:
+    """The parts run so far and the document they make, written to out after every change."""
+
+    def __init__(self, args, python: str, rehearsal: bool, out: Path, facts: dict):
+        self.args = args
+        self.python = python
+        self.rehearsal = rehearsal
+        self.out = out
+        self.start = time.monotonic()
+        self.parts: list[dict] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="gpu-session-"))
+        self.compact: Path | None = None
+        self.doc = {
+            "kind": "rehearsal (CPU, interpreter)" if rehearsal else "GPU session",
+            "device": "CPU",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "complete": False,
+            "parts_done": [],
+            "running": None,
+            "wall_s": 0.0,
+            "versions": {},
+            "kit": None,
+            "device_check": None,
+            "parts": self.parts,
+            "correctness": None,
+            "bandwidth": None,
+            "audits": {},
+            "audit_mismatches": None,
+            "audit_comparison_skipped": None,
+            "bench": None,
+            "ncu": None,
+            **facts,
+        }
+
+    def remaining(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.start)
+
+    def facts(self) -> dict:
+        """The session's part of the compact record."""
+        doc, manifest = self.doc, self.doc["kit"] or {}
+        kit = {"label": manifest.get("label"), "wheel": manifest.get("wheel")}
+        if "baseline" in manifest:
+            kit["baseline_commit"] = manifest["baseline"]["commit"]
+        mismatches = doc["audit_mismatches"]
+        ncu = doc["ncu"] or {}
+        return {
+            "kind": doc["kind"],
+            "device": doc["device"],
+            "time": doc["time"],
+            "complete": doc["complete"],
+            "parts_done": doc["parts_done"],
+            "wall_s": doc["wall_s"],
+            "versions": doc["versions"],
+            "kit": kit,
+            "device_check": doc["device_check"],
+            "parts": [
+                {k: p[k] for k in ("part", "status", "seconds", "why") if k in p}
+                for p in self.parts
+            ],
+            "correctness": _correctness_counts(doc["correctness"]),
+            "audit_mismatches": None if mismatches is None else len(mismatches),
+            "audit_comparison_skipped": doc["audit_comparison_skipped"],
+            "ncu": ncu.get("rows", ncu.get("skipped")),
+        }
+
+    def save(self, complete: bool = False) -> tuple[Path, int]:
+        """gpu_session.json and the compact record in out, each replaced atomically."""
+        from bench.kernel.lib.results import compact_name, compact_record, write_compact
+
+        doc = self.doc
+        doc.update(
+            complete=complete,
+            parts_done=[p["part"] for p in self.parts],
+            wall_s=round(time.monotonic() - self.start, 1),
+            versions=versions_ran(self.parts),
+        )
+        _write_json(self.out / RESULT_FILE, json.dumps(doc, indent=1))
+        record = compact_record(doc["bench"] or {}, self.facts())
+        self.compact = self.compact or self.out / compact_name(record)
+        tmp = self.compact.with_name(f".{self.compact.name}.tmp")
+        size = write_compact(record, tmp)
+        os.replace(tmp, self.compact)
+        return self.compact, size
+
+    def follow(self, key: str, path: Path):
+        """A poll that folds the JSON a running part rewrites (atomically) at path into
+        doc[key]; it says whether there was anything new."""
+        seen = None
+
+        def poll() -> bool:
+            nonlocal seen
+            try:
+                stamp = path.stat().st_mtime_ns
+                if stamp == seen:
+                    return False
+                self.doc[key] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                return False
+            seen = stamp
+            return True
+
+        return poll
+
+    def run(
+        self,
+        name: str,
+        cmd: list[str],
+        budget: float,
+        *,
+        interpret: bool = False,
+        shown: list[str] | None = None,
+        versions: Path | None = None,
+        poll=None,
+        done=None,
+    ) -> dict:
+        """Run one part as a process of its own, within min(budget, what is left), and write
+        the document when it starts, whenever poll (called every POLL_S seconds while it runs)
+        has something new, and when it ends, after done(part) has folded in what it made.
+        shown: the command as recorded (default: cmd without its interpreter); versions: the
+        file where the process reports what it runs with."""
+        allowed = min(budget, self.remaining())
+        part = {"part": name, "command": " ".join(cmd[1:] if shown is None else shown)}
+        if allowed < 5:
+            self.skip(name, f"{self.remaining():.0f} s left of the budget", part)
+            return part
+        print(f"== {name} (up to {allowed:.0f} s)", flush=True)
+        self.doc["running"] = name
+        self.save()
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONUNBUFFERED"] = "1"
+        if interpret:
+            env["TRITON_INTERPRET"] = "1"
+        log = self.tmp / (re.sub(r"\W+", "-", name) + ".log")
+        began = time.monotonic()
+        with open(log, "wb") as sink:
+            try:
+                # A session of its own, so a part that runs over is ended with its children
+                # (ncu's).
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except OSError as err:
+                sink.write(f"gpu_session: could not start {cmd[0]}: {err}\n".encode())
+                proc = None
+        try:
+            while proc is not None and (left := allowed - (time.monotonic() - began)) > 0:
+                try:
+                    proc.wait(timeout=min(POLL_S, left))
+                    break
+                except subprocess.TimeoutExpired:
+                    if poll is not None and poll():
+                        self.save()
+        finally:
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                part["status"] = "timed out"
+        if proc is None:
+            part["status"] = "failed"
+        elif "status" not in part:
+            part["rc"] = proc.returncode
+            part["status"] = "ok" if proc.returncode == 0 else "failed"
+        part["output_tail"] = log.read_bytes()[-16000:].decode(errors="replace")[-4000:]
+        part["seconds"] = round(time.monotonic() - began, 1)
+        if versions is not None and versions.exists():
+            part["versions"] = json.loads(versions.read_text())
+        if poll is not None:
+            poll()
+        if done is not None:
+            done(part)
+        print(f"   {part['status']} in {part['seconds']} s", flush=True)
+        if part["status"] != "ok":
+            print(part["output_tail"][-1500:], flush=True)
+        self.parts.append(part)
+        self.doc["running"] = None
+        self.save()
+        return part
+
+    def skip(self, name: str, why: str, part: dict | None = None) -> None:
+        print(f"== {name}: skipped, {why}", flush=True)
+        self.parts.append({**(part or {"part": name}), "status": "skipped", "why": why})
+        self.save()
+
+    def child(self, name: str, budget: float, *extra: str, interpret: bool = False) -> dict:
+        """One of this script's --child parts; its result goes to doc[name]."""
+        out, versions = self.tmp / f"{name}.json", self.tmp / f"{name}-versions.json"
+        cmd = [self.python, str(Path(__file__).resolve()), "--child", name]
+        cmd += ["--kit", str(self.args.kit), "--child-out", str(out)]
+        cmd += ["--child-versions", str(versions), *extra]
+
+        def done(part: dict) -> None:
+            if out.exists():
+                part["result"] = self.doc[name] = json.loads(out.read_text())
+
+        return self.run(name, cmd, budget, interpret=interpret, versions=versions, done=done)
+
+    def tool_command(self, tool: str, args: list[str], versions: Path) -> list[str]:
+        """The command of a part that runs a tool (TOOLS) through this script, which reports
+        the versions it runs with to the file versions."""
+        script = str(Path(__file__).resolve())
+        return [self.python, script, TOOL_FLAG, str(versions), tool, *args]
+
+    def tool(self, name: str, tool: str, args: list[str], budget: float, **run_kw) -> dict:
+        """A part that runs bench/kernel/TOOL with args."""
+        versions = self.tmp / (re.sub(r"\W+", "-", name) + "-versions.json")
+        cmd = self.tool_command(tool, args, versions)
+        shown = [f"bench/kernel/{tool}.py", *args]
+        return self.run(name, cmd, budget, shown=shown, versions=versions, **run_kw)
+
+
+def _bench(s: Session, rehearsal: bool) -> None:
     """The microbench part: the default grid on a GPU, keeping ncu's and the audit's time; a
-    dry run of one tiny point in the interpreter in the rehearsal."""
+    dry run of one tiny point in the interpreter in the rehearsal. Its JSON, rewritten after
+    every point, is folded into the session's while it runs."""
     bench_json = s.tmp / "kernel.json"
-    cmd = [s.python, str(ROOT / "bench" / "kernel" / "microbench.py"), "--kit", str(s.args.kit)]
-    cmd += ["--json", str(bench_json)]
+    args = ["--kit", str(s.args.kit), "--json", str(bench_json)]
+    follow = s.follow("bench", bench_json)
     if rehearsal:
-        s.run("bench", [*cmd, *DRY_RUN_BENCH], 60, interpret=True)
+        s.tool("bench", "microbench", [*args, *DRY_RUN_BENCH], 60, interpret=True, poll=follow)
     else:
         allowed = s.remaining() - PART_BUDGETS["ncu"] - PART_BUDGETS["audit"] - 5
-        cmd += ["--padded-heads", "--plot", str(s.out / "kernel.png")]
-        cmd += ["--time-budget-s", str(round(max(allowed - BENCH_MARGIN_S, 10), 1))]
-        s.run("bench", cmd, max(allowed, 20))
-    return json.loads(bench_json.read_text()) if bench_json.exists() else None
+        args += [*BENCH_SHAPES, "--padded-heads", "--plot", str(s.out / "kernel.png")]
+        args += ["--time-budget-s", str(round(max(allowed - BENCH_MARGIN_S, 10), 1))]
+        s.tool("bench", "microbench", args, max(allowed, 20), poll=follow)
 
 
 def _ncu(s: Session, rehearsal: bool) -> dict:
@@ -365,23 +709,57 @@ def _ncu(s: Session, rehearsal: bool) -> dict:
     ncu = find_ncu()
     if rehearsal:
         why = "a GPU part; the rehearsal runs on CPU"
+        s.doc["ncu"] = {"skipped": why, "ncu": ncu}
         s.skip("ncu", f"{why} (ncu {'found at ' + ncu if ncu else 'not found'} here)")
-        return {"skipped": why, "ncu": ncu}
+        return s.doc["ncu"]
     if ncu is None:
         why = "Nsight Compute (ncu) is not on PATH nor under /usr/local/cuda*/bin"
+        s.doc["ncu"] = {"skipped": why}
         s.skip("ncu", why)
-        return {"skipped": why}
+        return s.doc["ncu"]
     log, probe = s.tmp / "ncu.csv", s.tmp / "ncu-probe.json"
-    program = [s.python, str(ROOT / "bench" / "kernel" / "microbench.py"), "--kit", str(s.args.kit)]
-    program += ["--ncu-probe", str(probe), *NCU_POINTS, *NCU_ROWS]
-    part = s.run("ncu", ncu_command(ncu, str(log), program), PART_BUDGETS["ncu"])
-    text = log.read_text(errors="replace") if log.exists() else ""
-    result = {"ncu": ncu, "log_tail": "\n".join(text.splitlines()[-15:])[-3000:]}
-    if probe.exists():
-        probes = json.loads(probe.read_text())["probes"]
-        result["rows"] = match_probes(probes, parse_details_csv(text))
-    part["rows"] = len(result.get("rows", []))
-    return result
+    versions = s.tmp / "ncu-versions.json"
+    args = ["--kit", str(s.args.kit), "--ncu-probe", str(probe), *NCU_POINTS, *NCU_ROWS]
+    cmd = ncu_command(ncu, str(log), s.tool_command("microbench", args, versions))
+    shown = ncu_command(ncu, str(log), ["bench/kernel/microbench.py", *args])[1:]
+
+    def done(part: dict) -> None:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        result = {"ncu": ncu, "log_tail": "\n".join(text.splitlines()[-15:])[-3000:]}
+        if probe.exists():
+            probes = json.loads(probe.read_text())["probes"]
+            result["rows"] = match_probes(probes, parse_details_csv(text))
+        part["rows"] = len(result.get("rows", []))
+        s.doc["ncu"] = result
+
+    s.run("ncu", cmd, PART_BUDGETS["ncu"], shown=shown, versions=versions, done=done)
+    return s.doc["ncu"]
+
+
+def _audits(s: Session, rehearsal: bool) -> None:
+    """bench/kernel/audit on the virtual H200 and on the real device, over the bench's shapes,
+    and the comparison of the two."""
+    targets = [VIRTUAL_TARGET] if rehearsal else [VIRTUAL_TARGET, "cuda"]
+    per_audit = PART_BUDGETS["audit"] / len(targets)
+    for target in targets:
+        path = s.tmp / f"audit-{target}.json"
+
+        def done(part: dict, target=target, path=path) -> None:
+            if path.exists():
+                s.doc["audits"][target] = json.loads(path.read_text())
+                part["findings"] = s.doc["audits"][target]["findings"]
+
+        s.tool(
+            f"audit {target}", "audit", audit_args(s.args.kit, target, path), per_audit, done=done
+        )
+    if rehearsal:
+        s.skip("audit cuda", f"needs a CUDA device (the virtual {VIRTUAL_TARGET} audit ran)")
+    mismatches, why = audit_comparison(s.doc["audits"], s.doc["device_check"])
+    s.doc.update(audit_mismatches=mismatches, audit_comparison_skipped=why)
+    if mismatches is not None:
+        print(f"   audit comparison: {len(mismatches)} shape(s) differ", flush=True)
+    elif not rehearsal:
+        print(f"   audit comparison skipped: {why}", flush=True)
 
 
 def _correctness_counts(result: dict | None) -> dict | None:
@@ -390,37 +768,73 @@ def _correctness_counts(result: dict | None) -> dict | None:
     return {k: len(result.get(k, [])) for k in ("compare", "graph", "gather", "baseline")}
 
 
-def session(args, python: str, rehearsal: bool) -> int:
-    from bench.kernel.lib.results import compact_name, compact_record, verdict_lines, write_compact
+def _real_device(python: str, rehearsal: bool) -> dict | None:
+    """The device's facts and how it compares with the virtual target; None without CUDA."""
+    if rehearsal:
+        return {
+            "device": "CPU",
+            "device_check": {"skipped": "the rehearsal runs on CPU; no real device to compare"},
+        }
+    with tempfile.TemporaryDirectory(prefix="gpu-session-device-") as tmp:
+        out = Path(tmp) / "device.json"
+        cmd = [python, str(Path(__file__).resolve()), "--child", "device", "--child-out", str(out)]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0 or not out.exists():
+            sys.exit(
+                f"gpu_session: the device probe failed:\n{(done.stdout + done.stderr)[-3000:]}"
+            )
+        probe = json.loads(out.read_text())
+    if not probe["cuda"]:
+        return None
+    from bench.kernel.lib.virtual_gpu import TARGETS
 
+    check = device_check(probe["name"], probe["sms"], probe["capability"], TARGETS[VIRTUAL_TARGET])
+    return {"device": probe["name"], "device_check": check}
+
+
+def session(args, python: str, rehearsal: bool) -> int:
     out = args.out or ROOT / "bench" / "results" / time.strftime("gpu-session-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    s = Session(args, python, rehearsal)
-    s.out = out
     from bench.kernel.lib.gpu_kit import activate
 
     manifest = activate(args.kit)
-    import torch
-    import triton
-
-    versions = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-    }
-    has_cuda = torch.cuda.is_available() and not rehearsal
     print(
         f"gpu_session: {'rehearsal on CPU' if rehearsal else 'GPU session'}, kit "
-        f"{manifest['label']}, python {versions['python']}, torch {versions['torch']}, triton "
-        f"{versions['triton']}, budget {args.budget_s:.0f} s",
+        f"{manifest['label']}, parts run with {python}, budget {args.budget_s:.0f} s",
         flush=True,
     )
-    if not rehearsal and not has_cuda:
+    device = _real_device(python, rehearsal)
+    if device is None:
         print("gpu_session: no CUDA device is visible (use --rehearse on CPU)", file=sys.stderr)
         return 2
+    check = device["device_check"]
+    if check.get("mismatches"):
+        print(
+            f"gpu_session: {device['device']} is not the virtual {check['virtual']['name']} "
+            f"({'; '.join(check['mismatches'])}); the real-against-virtual audit comparison "
+            f"will be skipped (make the call with kind {DEVICE_KIND})",
+            flush=True,
+        )
+    s = Session(args, python, rehearsal, out, {"kit": manifest, **device})
+    s.save()
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        status = _sequence(s, rehearsal)
+    except Terminated:
+        s.doc["stopped"] = f"SIGTERM while {s.doc['running'] or 'between parts'}"
+        s.save()
+        print(f"gpu_session: stopped ({s.doc['stopped']}); what finished is in {out}", flush=True)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    shutil.rmtree(s.tmp, ignore_errors=True)
+    return status
 
-    correctness = s.child(
+
+def _sequence(s: Session, rehearsal: bool) -> int:
+    from bench.kernel.lib.results import target_verdicts, verdict_lines
+
+    s.child(
         "correctness",
         PART_BUDGETS["correctness"],
         *(["--cpu"] if rehearsal else []),
@@ -430,72 +844,25 @@ def session(args, python: str, rehearsal: bool) -> int:
         s.skip("bandwidth", "a timing part; the rehearsal runs on CPU")
     else:
         s.child("bandwidth", PART_BUDGETS["bandwidth"])
-    bench = _bench(s, rehearsal)
-    ncu = _ncu(s, rehearsal)
-
-    audits = {}
-    audit_args = QUICK_AUDIT if rehearsal else []
-    targets = ["h200"] if rehearsal else ["h200", "cuda"]
-    per_audit = PART_BUDGETS["audit"] / len(targets)
-    for target in targets:
-        path = s.tmp / f"audit-{target}.json"
-        cmd = [python, str(ROOT / "bench" / "kernel" / "audit.py"), "--kit", str(args.kit)]
-        cmd += ["--targets", target, "--json", str(path), *audit_args]
-        part = s.run(f"audit {target}", cmd, per_audit)
-        if path.exists():
-            audits[target] = json.loads(path.read_text())
-            part["findings"] = audits[target]["findings"]
-    if rehearsal:
-        s.skip("audit cuda", "needs a CUDA device (the virtual H200 audit ran)")
-    mismatches = None
-    if "h200" in audits and "cuda" in audits:
-        mismatches = _compare_audits(audits["h200"], audits["cuda"])
-        print(f"   audit comparison: {len(mismatches)} shape(s) differ", flush=True)
+    _bench(s, rehearsal)
+    _ncu(s, rehearsal)
+    _audits(s, rehearsal)
 
     failed_checks = [
         p["part"] for p in s.parts if p["part"] == "correctness" and p["status"] != "ok"
     ]
-    kit_facts = {"label": manifest["label"], "wheel": manifest["wheel"]}
-    if "baseline" in manifest:
-        kit_facts["baseline_commit"] = manifest["baseline"]["commit"]
-    doc = {
-        "kind": "rehearsal (CPU, interpreter)" if rehearsal else "GPU session",
-        "device": "CPU" if rehearsal else torch.cuda.get_device_name(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "wall_s": round(time.monotonic() - s.start, 1),
-        "versions": versions,
-        "kit": manifest,
-        "parts": s.parts,
-        "correctness": correctness.get("result"),
-        "audits": audits,
-        "audit_mismatches": mismatches,
-        "bench": bench,
-        "ncu": ncu,
-    }
-    (out / "gpu_session.json").write_text(json.dumps(doc, indent=1))
-    session_facts = {
-        "kind": doc["kind"],
-        "device": doc["device"],
-        "time": doc["time"],
-        "wall_s": doc["wall_s"],
-        "versions": versions,
-        "kit": kit_facts,
-        "parts": [
-            {k: p[k] for k in ("part", "status", "seconds", "why") if k in p} for p in s.parts
-        ],
-        "correctness": _correctness_counts(doc["correctness"]),
-        "audit_mismatches": None if mismatches is None else len(mismatches),
-        "ncu": ncu.get("rows", ncu.get("skipped")),
-    }
-    record = compact_record(bench or {}, session_facts)
-    compact = out / compact_name(record)
-    size = write_compact(record, compact)
-    shutil.rmtree(s.tmp, ignore_errors=True)
-    print(f"\ngpu_session: {doc['wall_s']} s; results in {out / 'gpu_session.json'}")
+    compact, size = s.save(complete=True)
+    doc = s.doc
+    print(f"\ngpu_session: {doc['wall_s']} s; results in {s.out / RESULT_FILE}")
     for part in s.parts:
         print(f"  {part['part']:<12} {part['status']:<9} {part.get('seconds', '')}")
+    ran = doc["versions"]
+    print(
+        "ran with (as the parts reported): "
+        + ", ".join(f"{k} {ran[k]}" for k in ("python", "torch", "triton", "numpy") if k in ran)
+    )
     print("targets (mma at auto, graph replay with L2 cold):")
-    print("\n".join(verdict_lines(record["targets"])))
+    print("\n".join(verdict_lines(target_verdicts((doc["bench"] or {}).get("results", [])))))
     print(
         f"compact record: {compact} ({size:,} bytes); copy it into bench/kernel/results/",
         flush=True,
@@ -503,7 +870,7 @@ def session(args, python: str, rehearsal: bool) -> int:
     if failed_checks:
         print("gpu_session: FAILED: a correctness check failed", file=sys.stderr)
         return 1
-    if mismatches:
+    if doc["audit_mismatches"]:
         print("gpu_session: the real and virtual audits disagree (see audit_mismatches)")
         return 3
     return 0
@@ -552,9 +919,18 @@ def rehearsal_python(args) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == [TOOL_FLAG]:
+        run_tool(argv[1], argv[2], argv[3:])
     args = parse_args(argv)
     if args.child:
-        result = {"correctness": child_correctness, "bandwidth": child_bandwidth}[args.child](args)
+        children = {
+            "correctness": child_correctness,
+            "bandwidth": child_bandwidth,
+            "device": child_device,
+        }
+        with reporting_versions(args.child_versions):
+            result = children[args.child](args)
         args.child_out.write_text(json.dumps(result))
         return 0
     if args.prepare:

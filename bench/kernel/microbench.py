@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
 import platform
 import random
@@ -466,12 +467,15 @@ class Bench:
                     self._sync()
             row.record["launches"] = list(self.recorder.launches)
             row.record["splits"] = self.split_log.take_splits()
-            if row.record["splits"] is None:
-                # A shape whose launch plan was cached before this row logs no choice: its
-                # stage-1 grid (head blocks, splits, batch) says the same.
-                stage1 = [la for la in row.record["launches"] if la["kernel"] == STAGE1_KERNEL]
-                if stage1 and row.backend.startswith("mma"):
-                    row.record["splits"] = stage1[0]["grid"][1]
+            stage1 = [la for la in row.record["launches"] if la["kernel"] == STAGE1_KERNEL]
+            if stage1 and row.backend.startswith("mma"):
+                grid = list(stage1[0]["grid"])
+                row.record["ctas"] = math.prod(grid)
+                if row.record["splits"] is None and grid[1:] != [1, 1]:
+                    # A split-K kernel (grid head blocks x splits x batch) whose launch plan
+                    # was cached before this row logs no choice: its grid says the same. The
+                    # stream-K kernel (grid C x 1 x 1) has no split count, only its CTAs.
+                    row.record["splits"] = grid[1]
             if self.timer is None:
                 return
             for call in row.calls:
@@ -631,6 +635,8 @@ def _row_line(r: dict) -> str:
             parts.append(f"{key} {r[key]}")
     if r.get("splits") is not None:
         parts.append(f"splits {r['splits']}")
+    if r.get("ctas") is not None:
+        parts.append(f"ctas {r['ctas']}")
     if r.get("launches"):
         parts.append("grid " + " ".join("x".join(map(str, la["grid"])) for la in r["launches"]))
     return f"{where} {name:<16} " + ("; ".join(parts) or "ran (dry run)")

@@ -90,7 +90,7 @@ def test_microbench_times_graph_eager_and_host_per_row(baseline_dir, tmp_path):
             assert summary["n"] == 3 and 0 < summary["min"] <= summary["median"] <= summary["max"]
         assert row["launches"] and all(launch["grid"] for launch in row["launches"])
     auto = rows[("mma", "auto")]
-    assert auto["splits"] >= 1 and auto["over_gather"] > 0 and auto["new_vs_main"] > 0
+    assert auto["ctas"] >= 1 and auto["over_gather"] > 0 and auto["new_vs_main"] > 0
     assert rows[("gather", None)]["launches"][0]["kernel"] == "_gather_kernel"
     assert "targets (mma at auto):" in done.stdout
     assert compact.stat().st_size <= 200_000

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from sglang.kernels.ops.attention import sm120_mma_fit as fit
-from sglang.kernels.ops.attention.sm120_mma_splits import split_count_for
 
 ROOT = Path(__file__).resolve().parents[2]
 AUDIT = ROOT / "bench" / "kernel" / "audit.py"
@@ -61,7 +60,7 @@ def test_every_dsv4_shape_loads_on_every_target(full_audit):
         # 5 head counts x 10 batch sizes x 4 extra lists x sink on/off x lengths on/off.
         assert len(shapes) == 800
         assert [s for s in shapes if "error" in s] == []
-        assert all(s["splits"] >= 1 and s["ctas"] >= s["batch"] for s in shapes)
+        assert all(1 <= s["ctas"] <= s["units"] for s in shapes)
 
 
 def test_no_kernel_spills_on_any_target(full_audit):
@@ -98,32 +97,32 @@ def test_stage1_shared_memory_is_what_the_configuration_models(full_audit):
             assert k["shared_bytes"] == model
 
 
-@pytest.mark.parametrize("key", ["rtx-pro-6000", "dgx-spark"])
-def test_auto_fills_whole_waves_of_the_compiled_occupancy_at_b64_h16(full_audit, key):
-    result = _result(full_audit[1], key)
-    (rec,) = [
-        s
-        for s in result["shapes"]
-        if (s["heads"], s["batch"], s["extra"], s["sink"], s["lengths"])
-        == (16, 64, "c4-512", True, True)
-    ]
-    stage1 = result["kernels"][rec["stage1_kernel"]]
-    assert stage1["kernel"] == STAGE1
-    slots = result["target"]["sms"] * stage1["ctas_per_sm"]
-    base = rec["batch"] * rec["head_blocks"]
-    # The last wave is short of full by less than one more split's CTAs: no split count
-    # fills the waves better without adding a wave.
-    assert rec["waves"] * slots - rec["ctas"] < base
-    tile = stage1["variant"]["BLOCK_T"]
-    assert rec["splits"] == split_count_for(
-        None,
-        batch=64,
-        head_blocks=1,
-        num_tiles=-(-128 // tile) + -(-512 // tile),
-        tile_tokens=tile,
-        num_sms=result["target"]["sms"],
-        ctas_per_sm=stage1["ctas_per_sm"],
-    )
+def test_stage1_issues_each_mma_of_a_tile_once(full_audit):
+    # The tile loop's tensor-core instructions, counted in the SASS, against the tile's
+    # minimum: 16 heads x 32 rows x 512 scores and 16 x 512 x 32 for P.V, as m16n8k16.
+    assert fit_minimum(16, 32) == 4 * 32 + 64 * 2
+    for result in full_audit[1]["results"]:
+        for k in _stage1(result):
+            assert k["mma_per_tile"] == k["mma_minimum_per_tile"], k
+            assert k["mma_ratio"] == 1.0
+
+
+def fit_minimum(block_h: int, block_t: int) -> int:
+    from bench.kernel.audit import mma_minimum_per_tile
+
+    return mma_minimum_per_tile(block_h, block_t)
+
+
+def test_auto_fills_the_last_wave_from_b16_to_b128_wherever_the_call_has_the_tiles(full_audit):
+    # The compiled occupancy on every target: at least 90% of the last wave's slots busy for
+    # every batch from 16 to 128 whose call has a tile for every slot.
+    checked = 0
+    for result in full_audit[1]["results"]:
+        for rec in result["shapes"]:
+            if 16 <= rec["batch"] <= 128 and rec["units"] >= rec["slots"]:
+                assert rec["fill"] >= 0.9, (result["target"]["key"], rec)
+                checked += 1
+    assert checked > 500
 
 
 def test_explicit_target_ctas_keeps_its_meaning(tmp_path):
@@ -133,9 +132,24 @@ def test_explicit_target_ctas_keeps_its_meaning(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for result in doc["results"]:
         (rec,) = [s for s in result["shapes"] if s["lengths"]]
-        # 512 / 64 requests asks for 8 splits of the 20 32-row tiles; equal tile counts per
-        # split (3 each) need only 7 of them.
-        assert rec["splits"] == 7 and rec["ctas"] == 64 * 7
+        # 512 CTAs share the 64 requests x 20 32-row tiles.
+        assert rec["ctas"] == 512 and rec["units"] == 64 * 20
+
+
+def test_compare_audits_older_revisions_side_by_side(tmp_path):
+    # The split-K kernel before the redesign issued 2.5 times a tile's MMA; the audited one,
+    # exactly the minimum.
+    done, doc = _audit(
+        tmp_path, "--targets", "rtx-pro-6000", *KEY_SHAPE, "--lengths", "on", "--compare", "dc905b5"
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "stage 1 side by side" in done.stdout
+    (old,) = doc["compared"]
+    assert old["revision"] == "dc905b5"
+    (old_stage1,) = _stage1(old)
+    assert old_stage1["mma_ratio"] == 2.5
+    (new_stage1,) = _stage1(doc["results"][0])
+    assert new_stage1["mma_ratio"] == 1.0
 
 
 def test_audit_fails_a_kernel_that_does_not_fit_sm120(tmp_path):

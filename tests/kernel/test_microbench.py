@@ -177,7 +177,7 @@ def test_the_bench_loop_samples_every_row_and_records_what_fails():
         split_log.close()
     rows = {r["backend"]: r for r in records}
     assert list(rows) == ["mma", "gather", "torch", "flashinfer"]
-    assert rows["mma"]["splits"] >= 1 and rows["mma"]["kv_bytes"] == 2 * 32 * 584
+    assert rows["mma"]["ctas"] >= 1 and rows["mma"]["kv_bytes"] == 2 * 32 * 584
     for name in ("mma", "gather"):
         row = rows[name]
         assert row["calls_per_sample"] == 3 and row["host_blocked"] == 0

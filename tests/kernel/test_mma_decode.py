@@ -118,9 +118,7 @@ def _ctas_logged(caplog) -> list[int]:
 # One CTA walks every row whole; 7 CTAs cut rows at points that are not row boundaries (a
 # share that ends one row, walks whole rows and starts another); 4096 gives every tile its
 # own CTA, so every row is merged from one piece per tile.
-@pytest.mark.parametrize(
-    "target", ["1", "7", "4096"], ids=["one-cta", "cut-rows", "cta-per-tile"]
-)
+@pytest.mark.parametrize("target", ["1", "7", "4096"], ids=["one-cta", "cut-rows", "cta-per-tile"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_mma_matches_upstream_reference(
     case, target, target_config, mma_calls, monkeypatch, caplog

@@ -82,6 +82,12 @@ class Resources:
     global_loads: int
     global_loads_128: int
     global_loads_u8: int
+    # The innermost loop that issues MMA (stage 1's tile loop), per warp and iteration: its
+    # tensor-core instructions and the shared-memory bytes its loads and stores move. 0 for a
+    # kernel without such a loop.
+    loop_mma: int = 0
+    loop_shared_read_bytes: int = 0
+    loop_shared_write_bytes: int = 0
 
     @property
     def spills(self) -> bool:
@@ -117,6 +123,52 @@ _TENSOR_CORE = re.compile(r"\b(?:HMMA|HGMMA|QMMA|UTCHMMA|UTCQMMA)\b")
 _BLOCK_SCALED = re.compile(r"\b[A-Z]*MMA\.SF\b")
 _GLOBAL_LOAD = re.compile(r"\b(LDGSTS|LDG)((?:\.\w+)*)(?=\s)")
 _LOCAL = re.compile(r"\b(STL|LDL)\b")
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_BACKWARD_BRANCH = re.compile(r"\bBRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*)*0x([0-9a-f]+)")
+# Shared-memory accesses and the bytes one warp-wide instruction moves: ldmatrix (LDSM) moves
+# 1, 2 or 4 8x8 matrices of 16-bit values (128 B each); LDS/STS move 32 lanes x their width.
+_SHARED = re.compile(r"\b(LDSM|LDS|STS)((?:\.\w+)*)(?=\s)")
+_WIDTH = {".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2, ".64": 8, ".128": 16}
+
+
+def _shared_bytes(op: str, suffix: str) -> int:
+    if op == "LDSM":
+        matrices = 4 if ".4" in suffix else 2 if ".2" in suffix else 1
+        return 128 * matrices
+    width = next((w for k, w in _WIDTH.items() if k in suffix), 4)
+    return 32 * width
+
+
+def mma_loop(sass: str) -> tuple[int, int, int]:
+    """(MMA, shared bytes read, shared bytes written) per warp and iteration of the innermost
+    loop that issues MMA, read from SASS: a loop is a backward branch and the instructions from
+    its target to it. Zeros when no loop issues MMA."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in _INSTRUCTION.finditer(sass)]
+    loops = []
+    for addr, text in code:
+        branch = _BACKWARD_BRANCH.search(text)
+        if branch and int(branch.group(1), 16) < addr:
+            body = [t for a, t in code if int(branch.group(1), 16) <= a <= addr]
+            loops.append((int(branch.group(1), 16), addr, body))
+    with_mma = [lp for lp in loops if any(_TENSOR_CORE.search(t) for t in lp[2])]
+    innermost = [
+        lp
+        for lp in with_mma
+        if not any(o is not lp and lp[0] <= o[0] and o[1] <= lp[1] for o in with_mma)
+    ]
+    if not innermost:
+        return 0, 0, 0
+    body = innermost[0][2]
+    mma = sum(bool(_TENSOR_CORE.search(t)) for t in body)
+    read = written = 0
+    for t in body:
+        for m in _SHARED.finditer(t):
+            size = _shared_bytes(m.group(1), m.group(2))
+            if m.group(1) == "STS":
+                written += size
+            else:
+                read += size
+    return mma, read, written
 
 
 def _read_cubin(cubin: bytes) -> tuple[str, str]:
@@ -143,6 +195,7 @@ def cubin_resources(name: str, arch: int, num_warps: int, shared: int, cubin: by
     regs, stack, _, local = (int(g) for g in match.groups())
     loads = [m.group(2) for m in _GLOBAL_LOAD.finditer(sass)]
     local_ops = [m.group(1) for m in _LOCAL.finditer(sass)]
+    loop_mma, loop_read, loop_written = mma_loop(sass)
     return Resources(
         name=name,
         arch=arch,
@@ -158,6 +211,9 @@ def cubin_resources(name: str, arch: int, num_warps: int, shared: int, cubin: by
         global_loads=len(loads),
         global_loads_128=sum(".128" in suffix for suffix in loads),
         global_loads_u8=sum(".U8" in suffix or ".S8" in suffix for suffix in loads),
+        loop_mma=loop_mma,
+        loop_shared_read_bytes=loop_read,
+        loop_shared_write_bytes=loop_written,
     )
 
 

@@ -123,28 +123,38 @@ class LaunchConfig:
 
 # Every tile constant of stage 1, in one place.
 #
-# Stage 1 keeps three things in shared memory: the query block as a bf16 MMA operand, the
-# dequantized KV tile (one buffer that serves as K^T for the scores and as V for P.V), and the
-# bf16 probabilities P as the second MMA's A operand. Compiled by Triton 3.8 for sm_90, sm_120
-# and sm_121, stage 1's shared memory is exactly this (bench/kernel/audit prints the compiled
-# figure, and tests/kernel/test_kernel_audit.py checks that it equals the model).
+# Stage 1 keeps three things in shared memory: the dequantization-free KV tile as bf16 (8 groups
+# x BLOCK_T rows x 64 columns; one buffer serves as the A operand of the scores KV.q^T and as
+# the B operand of P.V), the query block q^T (8 groups x 64 x BLOCK_H, the scores' B operand,
+# loaded once per row and read from shared memory every tile) and 4 KiB of scratch that Triton
+# allocates for the cross-warp sum of the groups' scores and the layout conversions around it
+# (4,096 B at 16-, 32- and 64-row tiles alike: bench/kernel/audit --stage1-config
+# 16,T,8,1). Compiled by Triton 3.8 for sm_90, sm_120 and sm_121, stage 1's shared memory is
+# exactly this (bench/kernel/audit prints the compiled figure, and
+# tests/kernel/test_kernel_audit.py checks that it equals the model).
 _HEAD_DIM = 512
 _BF16 = 2
+_REDUCTION_SCRATCH = 4096
 
 
 def stage1_shared_model(block_h: int, block_t: int) -> int:
-    return _BF16 * (_HEAD_DIM * (block_h + block_t) + block_h * block_t)
+    return _BF16 * _HEAD_DIM * (block_h + block_t) + _REDUCTION_SCRATCH
 
 
 BLOCK_H = 16  # mma.sync's M: the smallest head block a tensor-core tile serves
+# One warp per 64-column group of the 512-wide head dim: the kernel's batched tl.dot puts the
+# 8 groups on the 8 warps, so each MMA of a tile is issued once (bench/kernel/audit prints the
+# tile loop's MMA against the tile's minimum).
 NUM_WARPS = 8
 # Triton's own pipelining (num_stages > 1) would stage the next tile's raw bytes in shared
 # memory; the loop is pipelined by hand in registers instead (PREFETCH).
 NUM_STAGES = 1
 # The configurations stage 1 may take, the preferred first; a device gets the first whose
 # shared memory fits one CTA. Preferred: 32-row tiles with the next tile's KV in flight during
-# the current tile's math (50,176 B, 242 registers on sm_120: one CTA per SM, 18.7 KB of KV in
-# flight per SM at every point of the loop). Smaller devices take 16-row tiles.
+# the current tile's math (53,248 B and 234 registers on sm_120: one CTA per SM, limited by
+# registers, and 2 x 32 x 584 = 37,376 B of KV requested at once per SM: bench/kernel/audit
+# --targets rtx-pro-6000 --heads 16 --batch 64 --extra c4-512 --sink on --lengths on).
+# Smaller devices take 16-row tiles.
 CONFIGS = (
     # (block_t, prefetch, resident CTAs per SM the compiled kernel reaches)
     (32, 1, 1),
