@@ -25,7 +25,8 @@ is skipped and says so; elapsed time is printed per part):
   5. audit         bench/kernel/audit on the virtual H200 and on the real device (launches
                    recorded), over the shapes the bench times (its plan's heads, batches and
                    extra lists, sink and lengths on); registers, shared memory, CTAs per SM and
-                   splits compared shape by shape: a mismatch means the virtual audit is wrong
+                   the launch plan (splits, or stage 1's CTAs) compared shape by shape: a
+                   mismatch means the virtual audit is wrong
 
 Every part's process reports the Python, torch, triton and numpy it ran with; the record gives
 those, per part and merged. gpu_session.json and the compact record are rewritten in --out
@@ -406,8 +407,14 @@ def device_check(name: str, sms: int, capability: str, target) -> dict:
     }
 
 
+# What the launcher planned per shape, where the audit records it: the split count (split-K
+# kernels) and the CTAs stage 1 launches (the stream-K kernel has no split count).
+PLAN_FIELDS = ("splits", "ctas")
+
+
 def _compare_audits(virtual: dict, real: dict) -> list[dict]:
-    """Stage-1 and combine resources per shape: the virtual H200 against the real device."""
+    """Stage-1 resources and the launch plan per shape: the virtual H200 against the real
+    device."""
 
     def resources(doc: dict) -> dict:
         (result,) = doc["results"]
@@ -422,7 +429,7 @@ def _compare_audits(virtual: dict, real: dict) -> list[dict]:
                 "registers": k["registers"],
                 "shared_bytes": k["shared_bytes"],
                 "ctas_per_sm": k["ctas_per_sm"],
-                "splits": shape["splits"],
+                **{field: shape[field] for field in PLAN_FIELDS if field in shape},
             }
         return out
 

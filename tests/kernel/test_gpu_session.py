@@ -186,7 +186,8 @@ def test_rehearsal_runs_the_sequence_and_writes_the_json_and_the_compact_record(
         ("mma-main", "64"),
     } | {("gather", None)}
     assert not [r for r in rows.values() if "error" in r]
-    assert all(isinstance(rows[(b, t)]["splits"], int) for b, t in rows if b != "gather")
+    # The baseline (split-K) logs its split count; the stream-K kernel has none to log.
+    assert all(isinstance(rows[("mma-main", t)]["splits"], int) for t in ("auto", "64"))
     assert doc["bench"]["baseline"]["commit"] == doc["kit"]["baseline"]["commit"]
     # The compact record: small, the session's facts, the targets not measured on CPU.
     compact = tmp_path / names[0]
@@ -221,6 +222,20 @@ def test_audit_comparison_names_the_shapes_where_real_and_virtual_differ():
     (diff,) = _compare_audits(_audit_doc(104, 4), _audit_doc(112, 4))
     assert diff["shape"] == [16, 64, "c4-512", True, True]
     assert diff["virtual_h200"]["registers"] == 104 and diff["real"]["registers"] == 112
+
+
+def _stream_k_audit_doc(ctas: int) -> dict:
+    doc = _audit_doc(104, 0)
+    (shape,) = doc["results"][0]["shapes"]
+    del shape["splits"]
+    shape["ctas"] = ctas
+    return doc
+
+
+def test_audit_comparison_takes_the_stream_k_kernels_ctas_where_there_is_no_split_count():
+    assert _compare_audits(_stream_k_audit_doc(264), _stream_k_audit_doc(264)) == []
+    (diff,) = _compare_audits(_stream_k_audit_doc(264), _stream_k_audit_doc(228))
+    assert diff["virtual_h200"]["ctas"] == 264 and "splits" not in diff["real"]
 
 
 def test_session_refuses_a_missing_kit(tmp_path):
