@@ -466,7 +466,9 @@ class Bench:
                     row.calls[0]()
                     self._sync()
             row.record["launches"] = list(self.recorder.launches)
-            row.record["splits"] = self.split_log.take_splits()
+            row.record["splits"], logged_ctas = self.split_log.take_choice()
+            if logged_ctas is not None and row.record["splits"] is None:
+                row.record["ctas"] = logged_ctas
             stage1 = [la for la in row.record["launches"] if la["kernel"] == STAGE1_KERNEL]
             if stage1 and row.backend.startswith("mma"):
                 grid = list(stage1[0]["grid"])

@@ -29,6 +29,9 @@ SPLIT_LOGGERS = (
     "sm120pd_baseline.sm120_mma_splits",
 )
 _SPLITS = re.compile(r"-> (\d+) splits")
+# The stream-K kernel's choice is a CTA count (the split-K kernel's line names its CTAs after
+# its splits: "-> 8 splits, 512 CTAs").
+_CTAS = re.compile(r"-> (\d+) CTAs")
 # Head start (sleep) before a graph sample: covers enqueueing the flush, the events and the
 # replay, so the device never waits on the host inside the events.
 GRAPH_HEAD_START_US = 200.0
@@ -218,6 +221,12 @@ class SplitLog(logging.Handler):
 
     def take_splits(self) -> int | None:
         """The split count of the last message since the previous call, if one was logged."""
-        found = [int(m.group(1)) for m in map(_SPLITS.search, self.messages) if m]
+        return self.take_choice()[0]
+
+    def take_choice(self) -> tuple[int | None, int | None]:
+        """(split count, CTA count) of the last message since the previous call: a split-K
+        kernel logs its splits, the stream-K kernel its CTAs; None where nothing says."""
+        splits = [int(m.group(1)) for m in map(_SPLITS.search, self.messages) if m]
+        ctas = [int(m.group(1)) for m in map(_CTAS.search, self.messages) if m]
         self.messages = []
-        return found[-1] if found else None
+        return (splits[-1] if splits else None, ctas[-1] if ctas else None)
