@@ -1,21 +1,30 @@
-"""SM120 sparse MLA decode for DeepSeek-V4: head-blocked tensor-core MMA, split-K, exact combine.
+"""SM120 sparse MLA decode for DeepSeek-V4: head-blocked tensor-core MMA, stream-K, exact merge.
 
 Selected with ``SGLANG_SM120_FLASHMLA_BACKEND=mma`` through ``flash_mla_with_kvcache_sm120``.
 Upstream's Triton kernel runs one program per (request, head) and so reads the request's shared
 MLA KV once per head. Here one program serves a block of BLOCK_H query heads: every KV tile is
-gathered and dequantized once per head block, and scores and P.V are ``tl.dot`` calls (mma.sync
-on SM80/SM90/SM120).
+gathered once per head block, and scores and P.V are ``tl.dot`` calls (mma.sync on SM80, SM90
+and SM120).
 
-Stage 1, grid (head_blocks, splits, batch): a program walks its contiguous share of the request's
-KV tiles (the SWA index list, then the extra index list, each cut into BLOCK_T-token tiles), keeps
-an online softmax in base 2, and writes the split's normalised fp32 output and log2-sum-exp. With
-a single split it folds in the attention sink and writes the final output itself.
-Stage 2, grid (head_blocks, batch): merges the splits exactly (LSE-weighted) and folds in the sink.
+The tile math: the 512-wide head dim is 8 groups of 64 columns (7 FP8 nope groups with one
+UE8M0 scale each, and the bf16 rope), and each group is one batch of a batched ``tl.dot``, so
+the 8 warps each own one group and every MMA of a tile is issued once. The FP8 values are
+widened to bf16 exactly; each group's power-of-two scale is applied to that group's scores
+before the groups are summed, and to P before it meets that group's values. The online
+softmax runs in base 2.
+
+The schedule, one launch per call (stream-K): the call's work is W = rows x tiles units, a row
+being one head block of one request (its SWA index list, then its extra index list, cut into
+BLOCK_T-token tiles) and a unit one tile. CTA c walks units [c W / C, (c + 1) W / C), row by
+row. A row it walks whole it writes out itself, sink included. A row cut between CTAs leaves a
+piece per CTA (bf16 output normalised by its own sum, fp32 log2-sum-exp); the CTA that takes
+the row's last ticket merges the pieces exactly (LSE-weighted) and writes the output.
 
 Launch configuration: BLOCK_T, warps and stages come from the device as Triton sees it (the
 active driver's architecture and shared memory per block; ``sm120_mma_fit.config_for``), so the
 same code path runs on a GPU, on the audit's virtual devices and under the interpreter. The
-automatic split count counts the compiled kernel's resident CTAs per SM on that device.
+automatic CTA count (``sm120_mma_splits``) counts the compiled kernel's resident CTAs per SM
+on that device.
 
 Page layout of both caches (``k_cache`` is a ``[pages, page_size, 1, 584]`` byte view whose
 stride(0) is the page's byte size), per token t of a page:
@@ -24,7 +33,8 @@ stride(0) is the page's byte size), per token t of a page:
   bytes [page_size*576 + t*8, +7)   7 UE8M0 scales, one per 64 nope values (byte 8 is padding)
 
 The launch depends only on shapes (topk lengths and -1 indices are handled in the kernel), and
-nothing reads device memory on the host, so it can be captured in a CUDA graph.
+nothing reads device memory on the host, so it can be captured in a CUDA graph: the row
+tickets live in a buffer zeroed once, and each merge sets its row's ticket back to 0.
 """
 
 import os
@@ -562,7 +572,7 @@ def _index_rows(indices: torch.Tensor, batch: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _DeviceView:
-    """The device as Triton sees it: what the launch configuration and split choice use."""
+    """The device as Triton sees it: what the launch configuration and CTA count use."""
 
     arch: int
     num_sms: int
@@ -572,7 +582,7 @@ class _DeviceView:
 
 # Triton's interpreter runs without a device. Unless a driver was made active (the audit's
 # virtual device does that), interpreted runs take an SM120 with few SMs, so small test shapes
-# still get several splits from the automatic choice.
+# still get rows cut between CTAs from the automatic choice.
 _INTERPRETER_VIEW_ARCH = 120
 _INTERPRETER_VIEW_SMS = 8
 
