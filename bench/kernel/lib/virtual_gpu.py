@@ -124,7 +124,7 @@ _BLOCK_SCALED = re.compile(r"\b[A-Z]*MMA\.SF\b")
 _GLOBAL_LOAD = re.compile(r"\b(LDGSTS|LDG)((?:\.\w+)*)(?=\s)")
 _LOCAL = re.compile(r"\b(STL|LDL)\b")
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
-_BACKWARD_BRANCH = re.compile(r"\bBRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*)*0x([0-9a-f]+)")
+_BRANCH = re.compile(r"\bBRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*)*0x([0-9a-f]+)")
 # Shared-memory accesses and the bytes one warp-wide instruction moves: ldmatrix (LDSM) moves
 # 1, 2 or 4 8x8 matrices of 16-bit values (128 B each); LDS/STS move 32 lanes x their width.
 _SHARED = re.compile(r"\b(LDSM|LDS|STS)((?:\.\w+)*)(?=\s)")
@@ -142,11 +142,12 @@ def _shared_bytes(op: str, suffix: str) -> int:
 def mma_loop(sass: str) -> tuple[int, int, int]:
     """(MMA, shared bytes read, shared bytes written) per warp and iteration of the innermost
     loop that issues MMA, read from SASS: a loop is a backward branch and the instructions from
-    its target to it. Zeros when no loop issues MMA."""
+    its target to it, less what a forward branch inside it skips. Zeros when no loop issues
+    MMA."""
     code = [(int(m.group(1), 16), m.group(2)) for m in _INSTRUCTION.finditer(sass)]
     loops = []
     for addr, text in code:
-        branch = _BACKWARD_BRANCH.search(text)
+        branch = _BRANCH.search(text)
         if branch and int(branch.group(1), 16) < addr:
             body = [t for a, t in code if int(branch.group(1), 16) <= a <= addr]
             loops.append((int(branch.group(1), 16), addr, body))
@@ -158,7 +159,15 @@ def mma_loop(sass: str) -> tuple[int, int, int]:
     ]
     if not innermost:
         return 0, 0, 0
-    body = innermost[0][2]
+    lo, hi, _ = innermost[0]
+    # The path every iteration takes: the body less what a forward branch inside it can skip
+    # (a row's epilogue, taken once per row, is not a cost per tile).
+    skipped = set()
+    for addr, text in code:
+        branch = _BRANCH.search(text)
+        if branch and lo <= addr < hi and addr < int(branch.group(1), 16) <= hi:
+            skipped.update(a for a, _ in code if addr < a < int(branch.group(1), 16))
+    body = [t for a, t in code if lo <= a <= hi and a not in skipped]
     mma = sum(bool(_TENSOR_CORE.search(t)) for t in body)
     read = written = 0
     for t in body:

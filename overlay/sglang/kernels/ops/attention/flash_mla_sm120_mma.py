@@ -69,20 +69,92 @@ _DOT_DTYPE = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
 
 
 @triton.jit
-def _gather_tile(cache, idx, page_bytes, PAGE: tl.constexpr, NOPE_DIM: tl.constexpr):
+def _unit_slots(
+    unit,
+    share_hi,
+    tiles_per_row,
+    head_blocks,
+    swa_tiles,
+    swa_idx,
+    stride_swa_ib,
+    swa_len_ptr,
+    swa_topk,
+    ext_idx,
+    stride_ext_ib,
+    ext_len_ptr,
+    ext_topk,
+    HAS_SWA_LEN: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    HAS_EXT_LEN: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """The token slots of work unit ``unit``'s tile [BLOCK_T] (-1: no token: past the request's
+    topk length, or past the CTA's share) and whether the tile is from the SWA list.
+
+    Unit u is tile j = u mod tiles_per_row of row u / tiles_per_row (a head block of request
+    row / head_blocks): the SWA list's tiles first, then the extra list's."""
+    row = unit // tiles_per_row
+    j = unit - row * tiles_per_row
+    b = (row // head_blocks).to(tl.int64)
+    live = unit < share_hi
+    is_swa = j < swa_tiles
+    offs = tl.arange(0, BLOCK_T)
+    swa_len = swa_topk
+    if HAS_SWA_LEN:
+        swa_len = tl.minimum(tl.load(swa_len_ptr + b, mask=live, other=0).to(tl.int32), swa_topk)
+    pos = j * BLOCK_T + offs
+    idx = tl.load(swa_idx + b * stride_swa_ib + pos, mask=live & is_swa & (pos < swa_len), other=-1)
+    if HAS_EXTRA:
+        ext_len = ext_topk
+        if HAS_EXT_LEN:
+            ext_len = tl.minimum(
+                tl.load(ext_len_ptr + b, mask=live, other=0).to(tl.int32), ext_topk
+            )
+        pos = (j - swa_tiles) * BLOCK_T + offs
+        ext = tl.load(
+            ext_idx + b * stride_ext_ib + pos,
+            mask=live & (j >= swa_tiles) & (pos >= 0) & (pos < ext_len),
+            other=-1,
+        )
+        idx = tl.where(is_swa, idx, ext)
+    return idx, is_swa
+
+
+@triton.jit
+def _gather_tile(
+    idx,
+    is_swa,
+    swa_cache,
+    swa_page_bytes,
+    ext_cache,
+    ext_page_bytes,
+    HAS_EXTRA: tl.constexpr,
+    SWA_PAGE: tl.constexpr,
+    EXT_PAGE: tl.constexpr,
+    NOPE_DIM: tl.constexpr,
+):
     """Issue the loads of one tile's KV rows, grouped by 64-column slice of the head dim:
     (nope fp8 [8, T, 64], rope bf16 [1, T, 64], scale words int64 [T], valid [T]).
 
-    ``cache`` is the cache's byte pointer; ``idx`` the tile's token slots (-1: no token, whose
-    loads are masked off and move no bytes). Groups 0-6 are the FP8 nope values (one UE8M0
+    ``idx`` are the tile's token slots (-1: no token, whose loads are masked off and move no
+    bytes), in the SWA cache or the extra one. Groups 0-6 are the FP8 nope values (one UE8M0
     scale each), group 7 is the rope. Every row segment starts 16-byte aligned, so the compiler
-    can use 128-bit loads. PAGE is a compile-time constant: finding a slot's page is a shift,
-    not a division in the loop.
+    can use 128-bit loads. The page sizes are compile-time constants: finding a slot's page is
+    a shift, not a division in the loop.
     """
     valid = idx >= 0
     safe = tl.where(valid, idx, 0).to(tl.uint32)
-    page = (safe // PAGE).to(tl.int64)
-    slot = (safe % PAGE).to(tl.int64)
+    cache = swa_cache
+    page = (safe // SWA_PAGE).to(tl.int64)
+    slot = (safe % SWA_PAGE).to(tl.int64)
+    page_bytes = swa_page_bytes
+    footer = SWA_PAGE * 576
+    if HAS_EXTRA:
+        cache = tl.where(is_swa, swa_cache, ext_cache)
+        page = tl.where(is_swa, page, (safe // EXT_PAGE).to(tl.int64))
+        slot = tl.where(is_swa, slot, (safe % EXT_PAGE).to(tl.int64))
+        page_bytes = tl.where(is_swa, swa_page_bytes, ext_page_bytes)
+        footer = tl.where(is_swa, SWA_PAGE * 576, EXT_PAGE * 576)
     row = page * page_bytes + slot * 576
 
     g = tl.arange(0, 8)
@@ -108,7 +180,7 @@ def _gather_tile(cache, idx, page_bytes, PAGE: tl.constexpr, NOPE_DIM: tl.conste
     # 0x7F is 2^0, for masked rows.
     words = tl.load(
         cache.to(tl.pointer_type(tl.int64), bitcast=True)
-        + (page * page_bytes + PAGE * 576) // 8
+        + (page * page_bytes + footer) // 8
         + slot,
         mask=valid,
         other=0x7F7F7F7F7F7F7F7F,
@@ -124,60 +196,6 @@ def _group_scales(words):
     exponent = ((words[None, :] >> (g * 8).to(tl.int64)[:, None]) & 0xFF).to(tl.int32)
     exponent = tl.where((g == 7)[:, None], 127, exponent)
     return (exponent << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _walk_list(
-    q,
-    m_i,
-    l_i,
-    acc,
-    cache,
-    idx_row,
-    tile_lo,
-    tile_hi,
-    valid_len,
-    page_bytes,
-    qk_scale_log2,
-    PAGE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    NOPE_DIM: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """Attend over tiles [tile_lo, tile_hi) of one index list.
-
-    With PREFETCH, the loop is software-pipelined by hand in registers: while tile i is
-    multiplied, tile i + 1's KV loads and tile i + 2's index loads are already in flight, so
-    every gather is issued one tile's math before it is used and its addresses never wait on an
-    index load. Tiles past tile_hi load nothing (their indices read as -1).
-    """
-    offs = tl.arange(0, BLOCK_T)
-    if PREFETCH:
-        pos = tile_lo * BLOCK_T + offs
-        idx = tl.load(idx_row + pos, mask=(pos < valid_len) & (tile_lo < tile_hi), other=-1)
-        nope, rope, words, valid = _gather_tile(cache, idx, page_bytes, PAGE, NOPE_DIM)
-        pos += BLOCK_T
-        idx = tl.load(idx_row + pos, mask=(pos < valid_len) & (tile_lo + 1 < tile_hi), other=-1)
-        for tile in range(tile_lo, tile_hi):
-            next_nope, next_rope, next_words, next_valid = _gather_tile(
-                cache, idx, page_bytes, PAGE, NOPE_DIM
-            )
-            pos += BLOCK_T
-            idx = tl.load(idx_row + pos, mask=(pos < valid_len) & (tile + 2 < tile_hi), other=-1)
-            m_i, l_i, acc = _attend_tile(
-                q, nope, rope, words, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE
-            )
-            nope, rope, words, valid = next_nope, next_rope, next_words, next_valid
-    else:
-        for tile in range(tile_lo, tile_hi):
-            pos = tile * BLOCK_T + offs
-            idx = tl.load(idx_row + pos, mask=pos < valid_len, other=-1)
-            nope, rope, words, valid = _gather_tile(cache, idx, page_bytes, PAGE, NOPE_DIM)
-            m_i, l_i, acc = _attend_tile(
-                q, nope, rope, words, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE
-            )
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -225,91 +243,6 @@ def _sink_weight(lse2, sink_ptr, offs_h, h_mask, HAS_SINK: tl.constexpr):
         total2 = top + tl.math.log2(tl.math.exp2(lse2 - top) + tl.math.exp2(sink2 - top))
         weight = tl.where(empty, 0.0, tl.math.exp2(lse2 - total2))
     return weight
-
-
-@triton.jit
-def _attend_row(
-    m_i,
-    l_i,
-    acc,
-    q,
-    pid_b,
-    j_lo,
-    j_hi,
-    swa_cache,
-    swa_idx,
-    stride_swa_ib,
-    swa_len_ptr,
-    swa_topk,
-    swa_page_bytes,
-    ext_cache,
-    ext_idx,
-    stride_ext_ib,
-    ext_len_ptr,
-    ext_topk,
-    ext_page_bytes,
-    swa_tiles,
-    qk_scale_log2,
-    HAS_SWA_LEN: tl.constexpr,
-    HAS_EXTRA: tl.constexpr,
-    HAS_EXT_LEN: tl.constexpr,
-    SWA_PAGE: tl.constexpr,
-    EXT_PAGE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    NOPE_DIM: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """Attend one head block of request pid_b over its tiles [j_lo, j_hi): the SWA list's
-    tiles first, then the extra list's. Tiles past the request's topk lengths are skipped here,
-    in the kernel, so the launch stays shape-only."""
-    swa_len = swa_topk
-    if HAS_SWA_LEN:
-        swa_len = tl.minimum(tl.load(swa_len_ptr + pid_b).to(tl.int32), swa_topk)
-    swa_hi = tl.minimum(j_hi, tl.minimum(swa_tiles, tl.cdiv(swa_len, BLOCK_T)))
-    m_i, l_i, acc = _walk_list(
-        q,
-        m_i,
-        l_i,
-        acc,
-        swa_cache,
-        swa_idx + pid_b * stride_swa_ib,
-        j_lo,
-        swa_hi,
-        swa_len,
-        swa_page_bytes,
-        qk_scale_log2,
-        SWA_PAGE,
-        BLOCK_T,
-        PREFETCH,
-        NOPE_DIM,
-        DOT_DTYPE,
-    )
-    if HAS_EXTRA:
-        ext_len = ext_topk
-        if HAS_EXT_LEN:
-            ext_len = tl.minimum(tl.load(ext_len_ptr + pid_b).to(tl.int32), ext_topk)
-        ext_lo = tl.maximum(j_lo, swa_tiles) - swa_tiles
-        ext_hi = tl.minimum(j_hi - swa_tiles, tl.cdiv(ext_len, BLOCK_T))
-        m_i, l_i, acc = _walk_list(
-            q,
-            m_i,
-            l_i,
-            acc,
-            ext_cache,
-            ext_idx + pid_b * stride_ext_ib,
-            ext_lo,
-            ext_hi,
-            ext_len,
-            ext_page_bytes,
-            qk_scale_log2,
-            EXT_PAGE,
-            BLOCK_T,
-            PREFETCH,
-            NOPE_DIM,
-            DOT_DTYPE,
-        )
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -405,142 +338,173 @@ def _sparse_decode_split_kernel(
     cut between CTAs leaves one piece per CTA (its normalised bf16 output and fp32 log2-sum-exp,
     in part_o / part_lse); the CTA that brings the row's last piece (counted in row_counts,
     which it sets back to 0) merges them exactly and writes the output."""
+    # The pipeline below holds one tile ahead in registers (the fit's prefetch of 1).
+    tl.static_assert(PREFETCH == 1, "stage 1 prefetches exactly one tile ahead")
     cta = tl.program_id(0)
     share_lo = cta * num_units // num_ctas
     share_hi = (cta + 1) * num_units // num_ctas
     d = (tl.arange(0, 8) * 64)[:, None, None] + tl.arange(0, 64)[None, None, :]
-    unit = share_lo
-    while unit < share_hi:
-        row = unit // tiles_per_row
+    # The CTA's units in order, across rows and across the two index lists, with one pipeline
+    # that never restarts inside a share: tile u + 1's KV loads and tile u + 2's index loads
+    # are in flight while tile u is multiplied, whichever row or list they belong to. The
+    # inner loop walks one row's tiles (its q stays put); the row's epilogue runs between.
+    idx, is_swa = _unit_slots(
+        share_lo, share_hi, tiles_per_row, head_blocks, swa_tiles, swa_idx, stride_swa_ib,
+        swa_len_ptr, swa_topk, ext_idx, stride_ext_ib, ext_len_ptr, ext_topk,
+        HAS_SWA_LEN, HAS_EXTRA, HAS_EXT_LEN, BLOCK_T,
+    )  # fmt: skip
+    nope, rope, words, valid = _gather_tile(
+        idx, is_swa, swa_cache, swa_page_bytes, ext_cache, ext_page_bytes,
+        HAS_EXTRA, SWA_PAGE, EXT_PAGE, NOPE_DIM,
+    )  # fmt: skip
+    idx, is_swa = _unit_slots(
+        share_lo + 1, share_hi, tiles_per_row, head_blocks, swa_tiles, swa_idx, stride_swa_ib,
+        swa_len_ptr, swa_topk, ext_idx, stride_ext_ib, ext_len_ptr, ext_topk,
+        HAS_SWA_LEN, HAS_EXTRA, HAS_EXT_LEN, BLOCK_T,
+    )  # fmt: skip
+    merge_first = -1
+    merge_last = -1
+    seg_lo = share_lo
+    while seg_lo < share_hi:
+        row = seg_lo // tiles_per_row
         row_lo = row * tiles_per_row
         seg_hi = tl.minimum(share_hi, row_lo + tiles_per_row)
-        pid_b = (row // head_blocks).to(tl.int64)
-        offs_h = (row % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_mask = offs_h < H
-        # q^T as 8 groups [8, 64, BLOCK_H]: the B operand of the scores KV.q^T.
-        q = tl.load(
-            Q + pid_b * stride_qb + offs_h[None, None, :] * stride_qh + tl.permute(d, (0, 2, 1)),
-            mask=h_mask[None, None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)
+        q = _load_q(Q, row, head_blocks, stride_qb, stride_qh, H, d, BLOCK_H, DOT_DTYPE)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([8, BLOCK_H, 64], dtype=tl.float32)
-        m_i, l_i, acc = _attend_row(
-            m_i,
-            l_i,
-            acc,
-            q,
-            pid_b,
-            unit - row_lo,
-            seg_hi - row_lo,
-            swa_cache,
-            swa_idx,
-            stride_swa_ib,
-            swa_len_ptr,
-            swa_topk,
-            swa_page_bytes,
-            ext_cache,
-            ext_idx,
-            stride_ext_ib,
-            ext_len_ptr,
-            ext_topk,
-            ext_page_bytes,
-            swa_tiles,
-            qk_scale_log2,
-            HAS_SWA_LEN,
-            HAS_EXTRA,
-            HAS_EXT_LEN,
-            SWA_PAGE,
-            EXT_PAGE,
-            BLOCK_T,
-            PREFETCH,
-            NOPE_DIM,
-            DOT_DTYPE,
+        for unit in range(seg_lo, seg_hi):
+            next_nope, next_rope, next_words, next_valid = _gather_tile(
+                idx, is_swa, swa_cache, swa_page_bytes, ext_cache, ext_page_bytes,
+                HAS_EXTRA, SWA_PAGE, EXT_PAGE, NOPE_DIM,
+            )  # fmt: skip
+            idx, is_swa = _unit_slots(
+                unit + 2, share_hi, tiles_per_row, head_blocks, swa_tiles, swa_idx,
+                stride_swa_ib, swa_len_ptr, swa_topk, ext_idx, stride_ext_ib, ext_len_ptr,
+                ext_topk, HAS_SWA_LEN, HAS_EXTRA, HAS_EXT_LEN, BLOCK_T,
+            )  # fmt: skip
+            m_i, l_i, acc = _attend_tile(
+                q, nope, rope, words, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE
+            )
+            nope, rope, words, valid = next_nope, next_rope, next_words, next_valid
+        to_merge = _finish_row(
+            Out, LSE, sink_ptr, part_o, part_lse, row_counts, m_i, l_i, acc, row, row_lo,
+            seg_lo, seg_hi, cta, num_ctas, num_units, tiles_per_row, head_blocks, H,
+            head_dim_v, d, HAS_SINK, BLOCK_H,
+        )  # fmt: skip
+        # A share cuts at most two rows, its first and its last; a row this CTA must merge is
+        # merged after the walk.
+        if to_merge >= 0:
+            if merge_first < 0:
+                merge_first = to_merge
+            else:
+                merge_last = to_merge
+        seg_lo = seg_hi
+    if merge_first >= 0:
+        _merge_pieces(
+            Out, LSE, sink_ptr, part_o, part_lse, row_counts, merge_first, num_ctas, num_units,
+            tiles_per_row, head_blocks, H, head_dim_v, d, HAS_SINK, BLOCK_H, MERGE_UNROLL,
+        )  # fmt: skip
+    if merge_last >= 0:
+        _merge_pieces(
+            Out, LSE, sink_ptr, part_o, part_lse, row_counts, merge_last, num_ctas, num_units,
+            tiles_per_row, head_blocks, H, head_dim_v, d, HAS_SINK, BLOCK_H, MERGE_UNROLL,
+        )  # fmt: skip
+
+
+@triton.jit
+def _load_q(Q, row, head_blocks, stride_qb, stride_qh, H, d, BLOCK_H: tl.constexpr,
+            DOT_DTYPE: tl.constexpr):  # fmt: skip
+    """q^T of a row's head block as 8 groups [8, 64, BLOCK_H]: the B operand of KV.q^T."""
+    pid_b = (row // head_blocks).to(tl.int64)
+    offs_h = (row % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return tl.load(
+        Q + pid_b * stride_qb + offs_h[None, None, :] * stride_qh + tl.permute(d, (0, 2, 1)),
+        mask=(offs_h < H)[None, None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
+
+
+@triton.jit
+def _finish_row(
+    Out, LSE, sink_ptr, part_o, part_lse, row_counts, m_i, l_i, acc, row, row_lo, seg_lo, seg_hi,
+    cta, num_ctas, num_units, tiles_per_row, head_blocks, H, head_dim_v, d,
+    HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """End a row's segment [seg_lo, seg_hi): write the row's output if the segment is the whole
+    row; otherwise leave this CTA's piece. Returns the row when its last piece was this CTA's
+    (the CTA merges it), else -1."""
+    pid_b = (row // head_blocks).to(tl.int64)
+    offs_h = (row % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    has_tokens = l_i > 0.0
+    safe_l = tl.where(has_tokens, l_i, 1.0)
+    lse2 = tl.where(has_tokens, m_i + tl.math.log2(safe_l), float("-inf"))
+    to_merge = -1
+    if (seg_lo == row_lo) & (seg_hi == row_lo + tiles_per_row):
+        _store_output(Out, LSE, acc, lse2, 1.0 / safe_l, sink_ptr, pid_b, offs_h, h_mask, d, H,
+                      head_dim_v, HAS_SINK)  # fmt: skip
+    else:
+        # A piece: normalised by its own sum, so it is a convex combination of V rows and bf16
+        # keeps it to the output's own rounding; its log2-sum-exp carries its weight.
+        piece = _piece_slot(cta, row_lo, num_ctas, num_units) * BLOCK_H + tl.arange(0, BLOCK_H)
+        tl.store(
+            part_o + piece[None, :, None] * 512 + d, (acc / safe_l[None, :, None]).to(tl.bfloat16)
         )
-        has_tokens = l_i > 0.0
-        safe_l = tl.where(has_tokens, l_i, 1.0)
-        lse2 = tl.where(has_tokens, m_i + tl.math.log2(safe_l), float("-inf"))
-        if (unit == row_lo) & (seg_hi == row_lo + tiles_per_row):
-            _store_output(
-                Out,
-                LSE,
-                acc,
-                lse2,
-                1.0 / safe_l,
-                sink_ptr,
-                pid_b,
-                offs_h,
-                h_mask,
-                d,
-                H,
-                head_dim_v,
-                HAS_SINK,
+        tl.store(part_lse + piece, lse2)
+        first = _cta_of(row_lo, num_ctas, num_units)
+        last = _cta_of(row_lo + tiles_per_row - 1, num_ctas, num_units)
+        # Every thread's stores are done before the CTA announces its piece (release); the CTA
+        # that takes the last ticket sees every other piece (acquire).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(row_counts + row, 1, sem="acq_rel", scope="gpu")
+        if ticket == last - first:
+            to_merge = row
+    return to_merge
+
+
+@triton.jit
+def _merge_pieces(
+    Out, LSE, sink_ptr, part_o, part_lse, row_counts, row, num_ctas, num_units, tiles_per_row,
+    head_blocks, H, head_dim_v, d,
+    HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_UNROLL: tl.constexpr,
+):  # fmt: skip
+    """lse2 = log2sumexp2 of the pieces' lse2; out = sum exp2(lse2_c - lse2) out_c; then the
+    sink. Sets the row's ticket counter back to 0 for the next launch."""
+    row_lo = row * tiles_per_row
+    first = _cta_of(row_lo, num_ctas, num_units)
+    last = _cta_of(row_lo + tiles_per_row - 1, num_ctas, num_units)
+    pid_b = (row // head_blocks).to(tl.int64)
+    offs_h = (row % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    top = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for c in range(first, last + 1):
+        slot = _piece_slot(c, row_lo, num_ctas, num_units) * BLOCK_H
+        part = tl.load(part_lse + slot + tl.arange(0, BLOCK_H), cache_modifier=".cg")
+        top = tl.maximum(top, part)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    merged = tl.zeros([8, BLOCK_H, 64], dtype=tl.float32)
+    # MERGE_UNROLL pieces' loads are issued together (masked past the last piece), so a
+    # many-piece row is merged at the L2's pace, not one round trip per piece.
+    for c0 in range(first, last + 1, MERGE_UNROLL):
+        for i in tl.static_range(MERGE_UNROLL):
+            c = c0 + i
+            rows = _piece_slot(c, row_lo, num_ctas, num_units) * BLOCK_H + tl.arange(0, BLOCK_H)
+            here = c <= last
+            part = tl.load(part_lse + rows, mask=here, other=float("-inf"), cache_modifier=".cg")
+            w = tl.math.exp2(part - shift)
+            o = tl.load(
+                part_o + rows[None, :, None] * 512 + d, mask=here, other=0.0, cache_modifier=".cg"
             )
-        else:
-            # A piece: normalised by its own sum, so it is a convex combination of V rows and
-            # bf16 keeps it to the output's own rounding; its log2-sum-exp carries its weight.
-            piece = _piece_slot(cta, row_lo, num_ctas, num_units) * BLOCK_H + tl.arange(0, BLOCK_H)
-            tl.store(
-                part_o + piece[None, :, None] * 512 + d,
-                (acc / safe_l[None, :, None]).to(tl.bfloat16),
-            )
-            tl.store(part_lse + piece, lse2)
-            first = _cta_of(row_lo, num_ctas, num_units)
-            last = _cta_of(row_lo + tiles_per_row - 1, num_ctas, num_units)
-            # Every thread's stores are done before the CTA announces its piece (release); the
-            # CTA that takes the last ticket sees every other piece (acquire).
-            tl.debug_barrier()
-            ticket = tl.atomic_add(row_counts + row, 1, sem="acq_rel", scope="gpu")
-            if ticket == last - first:
-                top = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-                for c in range(first, last + 1):
-                    slot = _piece_slot(c, row_lo, num_ctas, num_units) * BLOCK_H
-                    part = tl.load(part_lse + slot + tl.arange(0, BLOCK_H), cache_modifier=".cg")
-                    top = tl.maximum(top, part)
-                shift = tl.where(top == float("-inf"), 0.0, top)
-                total = tl.zeros([BLOCK_H], dtype=tl.float32)
-                merged = tl.zeros([8, BLOCK_H, 64], dtype=tl.float32)
-                # MERGE_UNROLL pieces' loads are issued together (masked past the last piece),
-                # so a many-piece row is merged at the L2's pace, not one round trip per piece.
-                for c0 in range(first, last + 1, MERGE_UNROLL):
-                    for i in tl.static_range(MERGE_UNROLL):
-                        c = c0 + i
-                        slot = _piece_slot(c, row_lo, num_ctas, num_units) * BLOCK_H
-                        rows = slot + tl.arange(0, BLOCK_H)
-                        here = c <= last
-                        part = tl.load(
-                            part_lse + rows, mask=here, other=float("-inf"), cache_modifier=".cg"
-                        )
-                        w = tl.math.exp2(part - shift)
-                        o = tl.load(
-                            part_o + rows[None, :, None] * 512 + d,
-                            mask=here,
-                            other=0.0,
-                            cache_modifier=".cg",
-                        )
-                        total += w
-                        merged += w[None, :, None] * o.to(tl.float32)
-                has_tokens = total > 0.0
-                safe_total = tl.where(has_tokens, total, 1.0)
-                lse2 = tl.where(has_tokens, shift + tl.math.log2(safe_total), float("-inf"))
-                _store_output(
-                    Out,
-                    LSE,
-                    merged,
-                    lse2,
-                    1.0 / safe_total,
-                    sink_ptr,
-                    pid_b,
-                    offs_h,
-                    h_mask,
-                    d,
-                    H,
-                    head_dim_v,
-                    HAS_SINK,
-                )
-                tl.atomic_xchg(row_counts + row, 0, sem="relaxed", scope="gpu")
-        unit = seg_hi
+            total += w
+            merged += w[None, :, None] * o.to(tl.float32)
+    has_tokens = total > 0.0
+    safe_total = tl.where(has_tokens, total, 1.0)
+    lse2 = tl.where(has_tokens, shift + tl.math.log2(safe_total), float("-inf"))
+    _store_output(Out, LSE, merged, lse2, 1.0 / safe_total, sink_ptr, pid_b, offs_h, h_mask, d,
+                  H, head_dim_v, HAS_SINK)  # fmt: skip
+    tl.atomic_xchg(row_counts + row, 0, sem="relaxed", scope="gpu")
 
 
 def _check_cache(k_cache: torch.Tensor) -> tuple[int, int]:
