@@ -215,6 +215,22 @@ def test_scratch_is_reused_for_a_shape_and_outputs_are_fresh(monkeypatch):
     assert torch.equal(out1, kept) and not torch.equal(out1, out2)
 
 
+def test_every_row_ticket_is_back_at_zero_after_a_call(monkeypatch):
+    # Rows cut between CTAs count their pieces in a buffer that is zeroed once, at allocation;
+    # the CTA that merges a row sets its ticket back to 0. A second call with new inputs must
+    # therefore merge every row again.
+    monkeypatch.setenv(ENV_NAME, "7")
+    monkeypatch.setattr(mma, "_counters", {})
+    for seed in (1, 2):
+        kwargs = make_inputs(Case(batch=3, heads=32, swa_topk=90, extra_topk=70, seed=seed))
+        out, lse = mma.flash_mla_sparse_decode_mma(*reference_args(kwargs))
+        assert_matches_reference(
+            out, lse, *dispatch._sm120_sparse_decode_fwd(*reference_args(kwargs))
+        )
+        ((counters,),) = mma._counters.values()
+        assert counters.numel() >= 3 * 2 and not counters.any()
+
+
 def test_rejects_multi_token_queries():
     q = torch.zeros(1, 2, 16, 512, dtype=torch.bfloat16)
     args = list(reference_args(make_inputs(Case(batch=1, heads=16, swa_topk=32))))
