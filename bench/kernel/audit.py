@@ -101,8 +101,8 @@ def _stage1_config(text: str) -> tuple[int, int, int, int]:
     for name, value in (("BLOCK_H", block_h), ("BLOCK_T", block_t), ("WARPS", warps)):
         if value < 1 or value & (value - 1):
             raise argparse.ArgumentTypeError(f"{text!r}: {name} must be a power of two")
-    if prefetch not in (1, 2):
-        raise argparse.ArgumentTypeError(f"{text!r}: PREFETCH is 1 or 2")
+    if prefetch != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: PREFETCH is 1 (one tile ahead)")
     return block_h, block_t, warps, prefetch
 
 

@@ -57,7 +57,7 @@ def test_config_is_prefetched_32_row_tiles_where_they_fit(arch):
     limits = limits_for_arch(arch)
     cfg = config_for(arch, limits.max_shared_per_block)
     assert (cfg.block_h, cfg.block_t, cfg.num_warps, cfg.num_stages) == (16, 32, 8, 1)
-    assert (cfg.prefetch, cfg.ctas_per_sm) == (2, 1)
+    assert (cfg.prefetch, cfg.ctas_per_sm) == (1, 1)
     per_cta = stage1_shared_model(cfg.block_h, cfg.block_t) + limits.reserved_shared_per_block
     assert cfg.ctas_per_sm * per_cta <= limits.shared_per_sm
 
@@ -68,4 +68,4 @@ def test_config_on_a_small_device_takes_16_row_tiles():
     assert stage1_shared_model(16, 16) == 36_864 and stage1_shared_model(16, 32) == 53_248
     for arch in (75, 120):
         cfg = config_for(arch, 48 * 1024)
-        assert (cfg.block_t, cfg.prefetch, cfg.ctas_per_sm) == (16, 2, 1)
+        assert (cfg.block_t, cfg.prefetch, cfg.ctas_per_sm) == (16, 1, 1)

@@ -81,13 +81,13 @@ def test_sm120_and_sm121_get_prefetched_32_row_tiles_one_cta_per_sm(full_audit):
     for key in SM12X:
         result = _result(full_audit[1], key)
         cfg = result["config"]
-        assert (cfg["block_t"], cfg["prefetch"], cfg["ctas_per_sm"]) == (32, 2, 1)
+        assert (cfg["block_t"], cfg["prefetch"], cfg["ctas_per_sm"]) == (32, 1, 1)
         assert {k["ctas_per_sm"] for k in _stage1(result)} == {1}
         for k in _stage1(result):
-            assert k["variant"]["PREFETCH"] == 2 and k["variant"]["BLOCK_T"] == 32
+            assert k["variant"]["PREFETCH"] == 1 and k["variant"]["BLOCK_T"] == 32
             assert k["shared_bytes"] <= k["shared_limit"]
-            # The tile being waited for and the two after it: 3 x 32 rows x 584 bytes per SM.
-            assert k["tile_bytes_in_flight_per_sm"] == 3 * 32 * 584
+            # The tile being waited for and the next one: 2 x 32 rows x 584 bytes per SM.
+            assert k["tile_bytes_in_flight_per_sm"] == 2 * 32 * 584
 
 
 def test_stage1_shared_memory_is_what_the_configuration_models(full_audit):
@@ -155,7 +155,7 @@ def test_compare_audits_older_revisions_side_by_side(tmp_path):
 def test_audit_fails_a_kernel_that_does_not_fit_sm120(tmp_path):
     # A configuration whose tile cannot fit: 128-row tiles need 151,552 B of shared memory.
     source = Path(fit.__file__).read_text()
-    for old, new in (("(32, 2, 1),", "(128, 2, 1),"), ("(16, 2, 1),", "")):
+    for old, new in (("(32, 1, 1),", "(128, 1, 1),"), ("(16, 1, 1),", "")):
         assert old in source
         source = source.replace(old, new)
     kernel_dir = tmp_path / "kernel"

@@ -142,8 +142,8 @@ def _shared_bytes(op: str, suffix: str) -> int:
 def mma_loop(sass: str) -> tuple[int, int, int]:
     """(MMA, shared bytes read, shared bytes written) per warp and iteration of the innermost
     loop that issues MMA, read from SASS: a loop is a backward branch and the instructions from
-    its target to it, less what a forward branch inside it skips. Zeros when no loop issues
-    MMA."""
+    its target to it, less what a forward branch inside it skips where that issues no MMA.
+    Zeros when no loop issues MMA."""
     code = [(int(m.group(1), 16), m.group(2)) for m in _INSTRUCTION.finditer(sass)]
     loops = []
     for addr, text in code:
@@ -160,13 +160,16 @@ def mma_loop(sass: str) -> tuple[int, int, int]:
     if not innermost:
         return 0, 0, 0
     lo, hi, _ = innermost[0]
-    # The path every iteration takes: the body less what a forward branch inside it can skip
-    # (a row's epilogue, taken once per row, is not a cost per tile).
+    # The path of an iteration over a tile with tokens: the body less what a forward branch
+    # inside it skips, unless what it skips issues MMA (the tile's math, which only a tile
+    # without tokens skips). An epilogue taken once per row is not a cost per tile.
     skipped = set()
     for addr, text in code:
         branch = _BRANCH.search(text)
         if branch and lo <= addr < hi and addr < int(branch.group(1), 16) <= hi:
-            skipped.update(a for a, _ in code if addr < a < int(branch.group(1), 16))
+            region = [(a, t) for a, t in code if addr < a < int(branch.group(1), 16)]
+            if not any(_TENSOR_CORE.search(t) for _, t in region):
+                skipped.update(a for a, _ in region)
     body = [t for a, t in code if lo <= a <= hi and a not in skipped]
     mma = sum(bool(_TENSOR_CORE.search(t)) for t in body)
     read = written = 0

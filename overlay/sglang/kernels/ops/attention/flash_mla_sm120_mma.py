@@ -338,17 +338,16 @@ def _sparse_decode_split_kernel(
     cut between CTAs leaves one piece per CTA (its normalised bf16 output and fp32 log2-sum-exp,
     in part_o / part_lse); the CTA that brings the row's last piece (counted in row_counts,
     which it sets back to 0) merges them exactly and writes the output."""
-    # The pipeline holds PREFETCH tiles' KV loads in flight, in registers, ahead of the tile
-    # being multiplied.
-    tl.static_assert((PREFETCH == 1) | (PREFETCH == 2), "stage 1 prefetches 1 or 2 tiles")
+    # The pipeline holds one tile's KV loads in flight, in registers, ahead of the tile being
+    # multiplied (the fit's prefetch of 1).
+    tl.static_assert(PREFETCH == 1, "stage 1 prefetches exactly one tile ahead")
     cta = tl.program_id(0)
     share_lo = cta * num_units // num_ctas
     share_hi = (cta + 1) * num_units // num_ctas
     d = (tl.arange(0, 8) * 64)[:, None, None] + tl.arange(0, 64)[None, None, :]
     # The CTA's units in order, across rows and across the two index lists, with one pipeline
-    # that never restarts inside a share: the KV loads of tiles u + 1 .. u + PREFETCH and the
-    # index loads of the tile after them are in flight while tile u is multiplied, whichever
-    # row or list they belong to. The
+    # that never restarts inside a share: tile u + 1's KV loads and tile u + 2's index loads
+    # are in flight while tile u is multiplied, whichever row or list they belong to. The
     # inner loop walks one row's tiles (its q stays put); the row's epilogue runs between.
     idx, is_swa = _unit_slots(
         share_lo, share_hi, tiles_per_row, head_blocks, swa_tiles, swa_idx, stride_swa_ib,
@@ -364,16 +363,6 @@ def _sparse_decode_split_kernel(
         swa_len_ptr, swa_topk, ext_idx, stride_ext_ib, ext_len_ptr, ext_topk,
         HAS_SWA_LEN, HAS_EXTRA, HAS_EXT_LEN, BLOCK_T,
     )  # fmt: skip
-    if PREFETCH == 2:
-        nope2, rope2, words2, valid2 = _gather_tile(
-            idx, is_swa, swa_cache, swa_page_bytes, ext_cache, ext_page_bytes,
-            HAS_EXTRA, SWA_PAGE, EXT_PAGE, NOPE_DIM,
-        )  # fmt: skip
-        idx, is_swa = _unit_slots(
-            share_lo + 2, share_hi, tiles_per_row, head_blocks, swa_tiles, swa_idx,
-            stride_swa_ib, swa_len_ptr, swa_topk, ext_idx, stride_ext_ib, ext_len_ptr, ext_topk,
-            HAS_SWA_LEN, HAS_EXTRA, HAS_EXT_LEN, BLOCK_T,
-        )  # fmt: skip
     merge_first = -1
     merge_last = -1
     seg_lo = share_lo
@@ -391,18 +380,18 @@ def _sparse_decode_split_kernel(
                 HAS_EXTRA, SWA_PAGE, EXT_PAGE, NOPE_DIM,
             )  # fmt: skip
             idx, is_swa = _unit_slots(
-                unit + 1 + PREFETCH, share_hi, tiles_per_row, head_blocks, swa_tiles, swa_idx,
+                unit + 2, share_hi, tiles_per_row, head_blocks, swa_tiles, swa_idx,
                 stride_swa_ib, swa_len_ptr, swa_topk, ext_idx, stride_ext_ib, ext_len_ptr,
                 ext_topk, HAS_SWA_LEN, HAS_EXTRA, HAS_EXT_LEN, BLOCK_T,
             )  # fmt: skip
-            m_i, l_i, acc = _attend_tile(
-                q, nope, rope, words, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE
-            )
-            if PREFETCH == 2:
-                nope, rope, words, valid = nope2, rope2, words2, valid2
-                nope2, rope2, words2, valid2 = next_nope, next_rope, next_words, next_valid
-            else:
-                nope, rope, words, valid = next_nope, next_rope, next_words, next_valid
+            # A tile past the request's topk lengths holds no token (its loads moved nothing):
+            # no math for it either. Contexts under 64K tokens leave most of a c128 layer's
+            # 512-entry list so.
+            if tl.max(valid.to(tl.int32), axis=0) > 0:
+                m_i, l_i, acc = _attend_tile(
+                    q, nope, rope, words, valid, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE
+                )
+            nope, rope, words, valid = next_nope, next_rope, next_words, next_valid
         to_merge = _finish_row(
             Out, LSE, sink_ptr, part_o, part_lse, row_counts, m_i, l_i, acc, row, row_lo,
             seg_lo, seg_hi, cta, num_ctas, num_units, tiles_per_row, head_blocks, H,

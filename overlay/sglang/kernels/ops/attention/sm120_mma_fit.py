@@ -113,7 +113,7 @@ class LaunchConfig:
     num_warps: int
     num_stages: int  # software-pipelining depth Triton gives the loop's loads
     # Tiles whose KV loads are in flight ahead of the one being computed (our own pipeline,
-    # in registers: 2 = the next two tiles' KV and the indices of the tile after them).
+    # in registers: 1 = the next tile's KV and the tile after's indices).
     prefetch: int
     # Resident CTAs per SM this configuration is sized for on its architectures. The audit
     # checks that the compiled kernel reaches it; the launcher uses it only where there is no
@@ -150,18 +150,19 @@ NUM_WARPS = 8
 # memory; the loop is pipelined by hand in registers instead (PREFETCH).
 NUM_STAGES = 1
 # The configurations stage 1 may take, the preferred first; a device gets the first whose
-# shared memory fits one CTA. Preferred: 32-row tiles with the next two tiles' KV in flight
-# during the current tile's math (53,248 B of shared memory and at most 253 registers on
-# sm_120: one CTA per SM, limited by registers, and 3 x 32 x 584 = 56,064 B of KV requested at
-# once per SM: bench/kernel/audit --targets rtx-pro-6000 --heads 16 --batch 64 --extra c4-512
-# --sink on --lengths on). One CTA per SM is what the head block's registers allow either way
-# (188 registers with one tile ahead), so the second tile ahead costs no occupancy; it doubles
-# the bytes in flight per SM, which a GPU whose bandwidth per SM is high (an H200: 4.8 TB/s
-# over 132 SMs, datasheet) needs to cover memory latency. Smaller devices take 16-row tiles.
+# shared memory fits one CTA. Preferred: 32-row tiles with the next tile's KV in flight during
+# the current tile's math (53,248 B of shared memory and at most 255 registers on sm_120 and
+# sm_90, no spill: one CTA per SM, limited by registers, and 2 x 32 x 584 = 37,376 B of KV
+# requested at once per SM: bench/kernel/audit --targets rtx-pro-6000 --heads 16 --batch 64
+# --extra c4-512 --sink on --lengths on). A second tile ahead would double the bytes in flight
+# per SM, which a GPU with a high bandwidth per SM needs to cover memory latency (an H200:
+# 4.8 TB/s over 132 SMs, datasheet); it fits in registers (253) only without the branch that
+# skips an empty tile's math, and spills with it, so the kernel keeps one tile ahead and the
+# skip. Smaller devices take 16-row tiles.
 CONFIGS = (
     # (block_t, prefetch, resident CTAs per SM the compiled kernel reaches)
-    (32, 2, 1),
-    (16, 2, 1),
+    (32, 1, 1),
+    (16, 1, 1),
 )
 
 
