@@ -76,15 +76,15 @@ def test_overlay_replaces_existing_lines_and_adds_new_keys_to_decode(tmp_path):
     base = copy_env_dir(tmp_path / "env")
     dest = tmp_path / "env-A"
     overlay = tmp_path / "A.env"
-    overlay.write_text("# arm\nSGLANG_SM120_MMA_TARGET_CTAS=auto\nSGLANG_NEW_KNOB=1\n")
+    overlay.write_text("# arm\nSGLANG_SM120_MMA_TARGET_CTAS=384\nSGLANG_NEW_KNOB=1\n")
     assert apply_overlay(base, overlay, dest) == {
-        "SGLANG_SM120_MMA_TARGET_CTAS": "auto",
+        "SGLANG_SM120_MMA_TARGET_CTAS": "384",
         "SGLANG_NEW_KNOB": "1",
     }
     decode = EnvDir(dest).values("decode.env")
-    assert decode["SGLANG_SM120_MMA_TARGET_CTAS"] == "auto"
+    assert decode["SGLANG_SM120_MMA_TARGET_CTAS"] == "384"
     assert decode["SGLANG_NEW_KNOB"] == "1"
-    assert EnvDir(base).values("decode.env")["SGLANG_SM120_MMA_TARGET_CTAS"] == "512"
+    assert EnvDir(base).values("decode.env")["SGLANG_SM120_MMA_TARGET_CTAS"] == "auto"
     assert stack_from_env_dir(dest) == stack_from_env_dir(ROOT / "env")
 
 

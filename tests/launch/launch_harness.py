@@ -50,6 +50,9 @@ def make_env_dir(tmp: Path, api_key: str = "") -> Path:
         ROUTER_ARGS='"--policy round_robin --health-check-interval-secs 1 '
         '--worker-startup-check-interval 1"',
     )
+    # A knob value of decode's own, which the tests look for live in decode's process (the
+    # shipped auto would not tell decode's environment from a default).
+    set_values(env / "decode.env", SGLANG_SM120_MMA_TARGET_CTAS="512")
     return env
 
 
