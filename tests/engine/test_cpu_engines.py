@@ -298,6 +298,76 @@ def test_a_request_is_prefilled_on_one_engine_and_decoded_on_the_other(cpu_stack
     assert cpu_stack.metrics("decode")["sglang:generation_tokens_total"] >= gen_before + 2 * 11
 
 
+# tools/make_tiny_model.py's vocabulary, read from the model's own config by the test.
+def tiny_vocab() -> int:
+    return json.loads((ROOT / "build" / "tiny-llama" / "config.json").read_text())["vocab_size"]
+
+
+def bad_requests(vocab: int, model: str) -> list[tuple[str, dict, str]]:
+    """(path, body, what the 400 must say) for each form of a request that ended an engine on
+    env/cpu before patch 0031: ids past the embedding table, negative, inside the table's
+    padding (answered before from a row no token owns), in a batch, streamed (answered 200 and
+    an error event with code 400, sglang's streaming contract), through OpenAI completions (a
+    prompt of ids, a batch of them), an empty text, and two logprob arguments."""
+    rng = f"valid range is [0, {vocab})"
+
+    def gen(**body) -> dict:
+        return {"sampling_params": {"max_new_tokens": 2}, **body}
+
+    def completion(prompt) -> dict:
+        return {"model": model, "prompt": prompt, "max_tokens": 2}
+
+    logprobs = {"input_ids": [5, 6], "return_logprob": True}
+    return [
+        ("/generate", gen(input_ids=[5, 899]), f"899 at position 1; {rng}"),
+        ("/generate", gen(input_ids=[5, 6, -1]), f"-1 at position 2; {rng}"),
+        ("/generate", gen(input_ids=[vocab + 7]), f"{vocab + 7} at position 0; {rng}"),
+        ("/generate", gen(input_ids=[[5, 6], [7, 900]]), f"900 at position 1; {rng}"),
+        ("/generate", gen(input_ids=[5, 901], stream=True), f"901 at position 1; {rng}"),
+        ("/generate", gen(text=""), "The prompt has no tokens"),
+        ("/generate", gen(**logprobs, top_logprobs_num=10000), f"vocabulary's {vocab} tokens"),
+        ("/generate", gen(**logprobs, logprob_start_len=-7), "logprob_start_len must be -1"),
+        ("/v1/completions", completion([5, 899]), f"899 at position 1; {rng}"),
+        ("/v1/completions", completion([[5, 6], [902, 7]]), f"902 at position 0; {rng}"),
+    ]
+
+
+def engine_processes(stack) -> dict[str, list[tuple[int, float]]]:
+    """Each engine's processes (pid, start time): the same after a request means it survived."""
+    found = {}
+    for role in ("prefill", "decode"):
+        main = psutil.Process(stack.pid(role))
+        found[role] = sorted((p.pid, p.create_time()) for p in [main, *main.children(True)])
+    return found
+
+
+def test_a_request_no_scheduler_can_serve_is_refused_400_and_every_engine_serves_on(cpu_stack):
+    """Patch 0031 through the router: each bad form is answered 400 naming the id, its position
+    and the vocabulary's range (or the argument), the engines' processes are the same ones
+    afterwards, and they serve the same greedy tokens as before. Without the patch the first
+    request ended prefill (IndexError in the embedding lookup) and the router answered 503."""
+    ready(cpu_stack)
+    before = engine_processes(cpu_stack)
+    greedy = cpu_stack.post("/generate", GREEDY)["output_ids"]
+    model = cpu_stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 1})["model"]
+    wrong = []
+    for path, body, says in bad_requests(tiny_vocab(), model):
+        try:
+            with cpu_stack.request(cpu_stack.url["router"] + path, body, timeout=60) as resp:
+                status, text = resp.status, resp.read().decode(errors="replace")
+        except urllib.error.HTTPError as exc:
+            status, text = exc.code, exc.read().decode(errors="replace")
+        if body.get("stream"):
+            refused = status == 200 and '"code":400' in text.replace(" ", "")
+        else:
+            refused = status == 400
+        if not (refused and says in text):
+            wrong.append((path, body, status, text[:400]))
+    assert not wrong, wrong
+    assert engine_processes(cpu_stack) == before
+    assert cpu_stack.post("/generate", GREEDY)["output_ids"] == greedy
+
+
 def test_multiround_4x6_through_the_router(cpu_stack):
     done = multiround(
         cpu_stack,
