@@ -137,3 +137,69 @@ def test_a_dead_rank_ends_the_run_naming_it_and_leaves_no_process(swa_model):
         except psutil.Error:
             pass  # gone, or another user's
     assert left == []
+
+
+ADJUST = r"""
+import copy, json, sys
+from sglang.srt.configs.load_config import LoadConfig
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.configs.update_config import adjust_config_with_unaligned_cpu_tp
+
+out = {}
+for path in sys.argv[1:]:
+    config = ModelConfig(path, trust_remote_code=True)
+    for tp in (2, 3, 4):
+        try:
+            got = adjust_config_with_unaligned_cpu_tp(copy.deepcopy(config), LoadConfig(), tp)
+            out[f"{config.hf_config.model_type} {tp}"] = [
+                got.num_attention_heads, got.get_total_num_kv_heads()]
+        except ValueError as exc:
+            out[f"{config.hf_config.model_type} {tp}"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_sglangs_cpu_tp_adjustment_keeps_dsv4s_one_kv_head_and_refuses_unaligned_heads(
+    swa_model, tmp_path
+):
+    """Patch 0027 in sglang's own `adjust_config_with_unaligned_cpu_tp` (what ModelRunner calls
+    on every CPU engine), on the tiny DSV4's config (8 query heads, one MQA KV head) and on a
+    Llama config with 6 heads. MqaAttentionBase asserts one KV head, so DSV4's config must keep
+    it at every TP size: at 2 and 4 the heads divide and nothing changes; at 3 they do not, and
+    padding them (upstream pads the KV heads and scales the query heads to match) would give
+    DSV4 more KV heads, so the engine is refused with both numbers named. The Llama model is
+    still padded at TP 4 as upstream pads it (more query and KV heads than its 6, a multiple of
+    4, whatever the pad size), and unchanged at TP 2 and 3."""
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 192,
+                "intermediate_size": 256,
+                "num_attention_heads": 6,
+                "num_key_value_heads": 6,
+                "num_hidden_layers": 1,
+                "vocab_size": 128,
+                "max_position_embeddings": 256,
+            }
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", ADJUST, str(swa_model), str(llama)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["deepseek_v4 2"] == [8, 1] and got["deepseek_v4 4"] == [8, 1], got
+    assert got["deepseek_v4 3"].startswith(
+        "DeepSeek-V4's 8 query heads do not divide by the TP size 3"
+    ), got
+    heads, kv = got["llama 4"]
+    assert heads == kv and heads > 6 and heads % 4 == 0, got
+    assert got["llama 2"] == got["llama 3"] == [6, 6], got
