@@ -27,18 +27,19 @@ from sglang.srt.managers.load_snapshot import (
 HOLDER = r"""
 import fcntl, os, sys
 fd = os.open(sys.argv[1], os.O_RDWR)
-fcntl.flock(fd, fcntl.LOCK_EX)
+fcntl.flock(fd, getattr(fcntl, sys.argv[2]))
 print("held", flush=True)
 sys.stdin.readline()
 """
 
 
 class HeldLock:
-    """Another process holding LOCK_EX on the file until release()."""
+    """Another process holding the file's lock (LOCK_EX, a writer's; LOCK_SH, a reader's)
+    until release()."""
 
-    def __init__(self, path):
+    def __init__(self, path, kind="LOCK_EX"):
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, str(path)],
+            [sys.executable, "-c", HOLDER, str(path), kind],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -142,3 +143,81 @@ def test_a_reader_that_never_read_answers_nothing_while_locked_and_attaches_late
         held.release()
     (load,), _, _ = timed_read(reader)
     assert load.num_running_reqs == 3 and reader.mmap is not None
+
+
+def blocks(call) -> threading.Thread:
+    """Upstream's call in a thread, still running after a second (it waits on the lock)."""
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(1.0)
+    assert thread.is_alive(), "upstream's call did not wait: the lock is not held"
+    return thread
+
+
+def test_the_dp_controllers_read_returns_at_once_while_a_writer_holds_the_lock(published):
+    """Patch 0032: DataParallelController.refresh_load_budget reads with read_all_nowait."""
+    path, writer = published
+    reader = ShmLoadSnapshotReader(str(path), dp_size=2)
+    held = HeldLock(path)
+    try:
+        blocked = blocks(reader.read_all)
+        started = time.monotonic()
+        assert nonblocking.read_all_nowait(reader) == []
+        assert time.monotonic() - started < 0.05
+    finally:
+        held.release()
+    blocked.join(5.0)
+    (load,) = nonblocking.read_all_nowait(reader)
+    assert load == reader.read_all()[0] and load.num_running_reqs == 3
+
+
+def test_the_zmq_owner_copies_snapshots_without_waiting_on_a_stopped_reader(tmp_path):
+    """Patch 0032: in zmq mode the socket's owner (the multi-tokenizer router's event loop)
+    drains snapshots with poll_nowait. With another process holding LOCK_SH (a reader stopped
+    mid-read), upstream's poll waits; poll_nowait returns at once and keeps the rank's latest
+    snapshot pending, then writes it at the next poll once the lock is free, with no new
+    message (the scheduler may have nothing new to send)."""
+    from sglang.srt.managers.load_snapshot import ZmqLoadSnapshotWriter, ZmqShmLoadSnapshotReader
+
+    endpoint = f"ipc://{tmp_path / 'loads.ipc'}"
+    shm = tmp_path / "sglang_loads_zmq.shm"
+    owner = ZmqShmLoadSnapshotReader(endpoint, str(shm), dp_size=1)
+    sender = ZmqLoadSnapshotWriter(endpoint, dp_size=1, dp_rank=0)
+    try:
+
+        def send_and_drain(running: int) -> None:
+            sender.write(LoadSnapshot(timestamp=time.time(), dp_rank=0, num_running_reqs=running))
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not owner._socket.poll(10):
+                pass
+
+        send_and_drain(1)
+        nonblocking.poll_nowait(owner)
+        assert [s.num_running_reqs for s in nonblocking.read_all_nowait(owner)] == [1]
+        # Upstream's poll with a reader's lock held: it waits until the lock goes.
+        held = HeldLock(shm, "LOCK_SH")
+        try:
+            send_and_drain(2)
+            blocked = blocks(owner.poll)
+        finally:
+            held.release()
+        blocked.join(5.0)
+        assert not blocked.is_alive()
+        assert [s.num_running_reqs for s in owner._shm_reader.read_all()] == [2]
+        # poll_nowait with the same lock held returns at once; the file keeps the last
+        # snapshot written (shared locks do not conflict, so it is read meanwhile).
+        held = HeldLock(shm, "LOCK_SH")
+        try:
+            send_and_drain(3)
+            started = time.monotonic()
+            nonblocking.poll_nowait(owner)
+            assert time.monotonic() - started < 0.05
+            assert [s.num_running_reqs for s in owner._shm_reader.read_all()] == [2]
+        finally:
+            held.release()
+        # The pending snapshot lands at the next poll, with no new message.
+        nonblocking.poll_nowait(owner)
+        assert [s.num_running_reqs for s in owner._shm_reader.read_all()] == [3]
+    finally:
+        sender.close()
+        owner.close()

@@ -13,6 +13,20 @@ the answer is the last snapshot this process read, each marked ``"stale": 1`` wi
 ``"snapshot_age_s"`` (seconds since its scheduler published it, from its own ``timestamp``).
 Nothing is read from the file without the lock, so a snapshot is never half-written. A reader
 that has never read one gets none (upstream's answer before the first publish).
+
+Two more callers read the file on a loop that must not wait:
+
+- the DP controller's dispatch (``refresh_load_budget``, at most every 20 ms, before each
+  request it dispatches) read every rank with a blocking ``LOCK_SH``: one rank's scheduler
+  stopped mid-publish stalled dispatch to every rank. ``read_all_nowait`` asks once without
+  blocking and returns nothing while the lock is held; the controller keeps its counters (it
+  already skips a rank whose snapshot did not change) and asks again at its next refresh.
+- in zmq mode the process that owns the PULL socket copies each snapshot into the file under
+  a blocking ``LOCK_EX`` (``ZmqShmLoadSnapshotReader.poll``, an ``add_reader`` callback on the
+  multi-tokenizer router's event loop, and the first step of every read): a reader process
+  stopped while it held ``LOCK_SH`` stalled that loop. ``poll_nowait`` drains the socket and
+  writes each rank's latest snapshot only when the lock is free now; one it cannot write stays
+  pending, replaced by a newer one of its rank, and is written at the next poll.
 """
 
 from __future__ import annotations
@@ -27,7 +41,9 @@ import weakref
 from sglang.srt.managers.load_snapshot import (
     LoadSnapshot,
     ShmLoadSnapshotReader,
+    ShmLoadSnapshotWriter,
     ZmqShmLoadSnapshotReader,
+    snapshot_decoder,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,6 +59,10 @@ _last_read: weakref.WeakKeyDictionary[ShmLoadSnapshotReader, dict[int, LoadSnaps
     weakref.WeakKeyDictionary()
 )
 _locked_out: weakref.WeakSet[ShmLoadSnapshotReader] = weakref.WeakSet()
+# Per zmq reader: each rank's latest snapshot not yet written into the file (locked out).
+_pending: weakref.WeakKeyDictionary[ZmqShmLoadSnapshotReader, dict[int, LoadSnapshot]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class StaleLoadSnapshot(LoadSnapshot):
@@ -113,7 +133,7 @@ async def read_loads(reader, dp_rank: int | None = None) -> list[LoadSnapshot]:
     blocking the event loop on the file lock (see the module docstring)."""
     if isinstance(reader, ZmqShmLoadSnapshotReader):
         # Drains the zmq socket into the file; its writer is this process.
-        reader.poll()
+        poll_nowait(reader)
         reader = reader._shm_reader
     if dp_rank is not None and not 0 <= dp_rank < reader.dp_size:
         return []
@@ -148,3 +168,77 @@ def _answer_stale(reader: ShmLoadSnapshotReader, ranks: list[int]) -> list[LoadS
     last = _last_read.get(reader, {})
     now = time.time()
     return [_stale(last[rank], now) for rank in ranks if rank in last]
+
+
+def read_all_nowait(reader) -> list[LoadSnapshot]:
+    """Upstream's ``reader.read_all()`` for a loop that must not wait (the DP controller's
+    dispatch): every rank's snapshot when the file's lock is free now, [] while a writer holds
+    it."""
+    if isinstance(reader, ZmqShmLoadSnapshotReader):
+        poll_nowait(reader)
+        reader = reader._shm_reader
+    slots = _try_read(reader, list(range(reader.dp_size)))
+    return [snapshot for snapshot in slots or [] if snapshot is not None]
+
+
+def _lock_free_now(path: str) -> bool:
+    """Whether nobody holds the file's lock at this instant (asked on a descriptor of its own,
+    released at once)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # closing the descriptor releases its lock
+    return True
+
+
+def _write_nowait(reader: ZmqShmLoadSnapshotReader, snapshot: LoadSnapshot) -> bool:
+    writer = reader._shm_writers.get(snapshot.dp_rank)
+    if writer is None:
+        # Upstream's writer takes a blocking LOCK_EX once, in its constructor, to lay out the
+        # file: made only while the lock is free.
+        if not _lock_free_now(reader._shm_path):
+            return False
+        writer = ShmLoadSnapshotWriter(reader._shm_path, reader.dp_size, snapshot.dp_rank)
+        reader._shm_writers[snapshot.dp_rank] = writer
+    try:
+        fcntl.flock(writer.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    try:
+        writer._write_payload(snapshot)
+    finally:
+        fcntl.flock(writer.fd, fcntl.LOCK_UN)
+    return True
+
+
+def poll_nowait(reader: ZmqShmLoadSnapshotReader) -> None:
+    """Upstream's ``reader.poll()`` (drain the zmq socket, write each rank's latest snapshot
+    into the file) without waiting on the file's lock; see the module docstring."""
+    zmq = reader._zmq
+    pending = _pending.setdefault(reader, {})
+    while True:
+        try:
+            data = reader._socket.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            break
+        try:
+            snapshot = snapshot_decoder.decode(data)
+        except Exception as exc:
+            logger.warning("load snapshot zmq decode failed: %s", exc)
+            continue
+        if 0 <= snapshot.dp_rank < reader.dp_size:
+            pending[snapshot.dp_rank] = snapshot
+    for rank, snapshot in list(pending.items()):
+        try:
+            written = _write_nowait(reader, snapshot)
+        except Exception as exc:
+            logger.warning("load snapshot shm write failed for rank %d: %s", rank, exc)
+            written = True  # dropped, as upstream drops it
+        if written:
+            pending.pop(rank, None)
