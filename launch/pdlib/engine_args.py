@@ -7,8 +7,9 @@ DECODE_ARGS fails here, not on the GPU host a minute after `up`.
 The parser is sglang's: `ServerArgs.add_cli_args` on a plain `argparse.ArgumentParser`, as
 `sglang.srt.server_args.prepare_server_args` builds it. Importing sglang for it takes seconds
 (torch), too slow for every simulated engine start, so its option table (flags, how many values,
-choices, int/float types) is read once per installed sglang version and kept in
-`~/.cache/sm120pd/` (`$SM120PD_CACHE`); the parser is rebuilt from that table.
+choices, int/float types, the ServerArgs field each sets and that field's group, e.g.
+`parallel`) is read once per installed sglang version and kept in `~/.cache/sm120pd/`
+(`$SM120PD_CACHE`); the parser is rebuilt from that table.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from launch.pdlib.files import write_whole
 
 LAUNCH_DIR = Path(__file__).resolve().parents[1]
 _TYPES = {"int": int, "float": float}
+# Part of the cached table's name: a table written in an older format is read again from sglang.
+TABLE_FORMAT = 2
 
 
 class EngineArgsError(ValueError):
@@ -49,10 +52,12 @@ def _sglang_version() -> str | None:
 
 
 def _table_from_sglang() -> list[dict]:
+    from sglang.srt.arg_groups.arg_utils import namespace_of
     from sglang.srt.server_args import ServerArgs
 
     parser = argparse.ArgumentParser(prog="sglang serve")
     ServerArgs.add_cli_args(parser)
+    groups = namespace_of(ServerArgs)
     table = []
     for action in parser._actions:
         if not action.option_strings or isinstance(action, argparse._HelpAction):
@@ -64,6 +69,8 @@ def _table_from_sglang() -> list[dict]:
                 "nargs": action.nargs,
                 "choices": list(action.choices) if action.choices is not None else None,
                 "type": kind if kind in _TYPES else None,
+                "dest": action.dest,
+                "group": groups.get(action.dest, "").split(".")[0] or None,
             }
         )
     return table
@@ -74,7 +81,7 @@ def option_table() -> list[dict] | None:
     version = _sglang_version()
     if version is None:
         return None
-    path = _cache_dir() / f"launch-server-args-{version}.json"
+    path = _cache_dir() / f"launch-server-args-{version}-t{TABLE_FORMAT}.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -89,15 +96,21 @@ def parser_from_table(table: list[dict]) -> argparse.ArgumentParser:
     parser = _Parser(prog="sglang.launch_server", add_help=False)
     for option in table:
         if option["nargs"] == 0:
-            parser.add_argument(*option["flags"], action="store_true")
+            parser.add_argument(*option["flags"], dest=option["dest"], action="store_true")
             continue
         parser.add_argument(
             *option["flags"],
+            dest=option["dest"],
             nargs=option["nargs"],
             choices=option["choices"],
             type=_TYPES.get(option["type"]),
         )
     return parser
+
+
+def group_options(table: list[dict], group: str) -> list[dict]:
+    """The options that set a field of one ServerArgs group (`parallel`: TP, DP, CP, EP...)."""
+    return [option for option in table if option["group"] == group]
 
 
 def refusals(argv: list[str], table: list[dict]) -> list[tuple[str, str]]:
