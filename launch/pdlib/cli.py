@@ -109,8 +109,8 @@ def _routes_to_all(stack: Stack, router: Role, out) -> bool:
 
 def _models_refused(stack: Stack, out, verb: str) -> bool:
     """True (after saying why) when the engines would not serve one model, a DSV4-only
-    setting sits next to another model, or prefill and decode differ in TP size on a model
-    that is not MLA: checked before anything is started or stopped."""
+    setting sits next to another model, or prefill and decode differ in attention TP size on a
+    model that is not MLA: checked before anything is started or stopped."""
     refused = model_path.model_problems(stack.env) or tp_mix.problems(stack.env, [])
     for problem in refused:
         out(f"FAIL {problem}", err=True)
