@@ -216,6 +216,7 @@ OUR_KNOBS = {
     "SGLANG_SM120_FLASHMLA_BACKEND": "one of flashinfer, triton, torch, mma",
     "SGLANG_SM120_MMA_TARGET_CTAS": "a positive integer or 'auto'",
     "SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT": "a positive number of seconds",
+    "SGLANG_HEALTH_SCHEDULER_STALL_S": "a number of seconds >= 0 (0 turns the check off)",
 }
 # Upstream variables our patches lean on. Upstream's registry reads them leniently (a
 # malformed value warns and falls back to the default), so a typo would silently change
@@ -251,6 +252,12 @@ def knob_value_error(key: str, value: str) -> str | None:
         except ValueError:
             seconds = -1.0
         ok = seconds > 0 and seconds != float("inf")
+    elif key == "SGLANG_HEALTH_SCHEDULER_STALL_S":
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        ok = 0 <= seconds < float("inf")
     elif key == "SGLANG_DISAGGREGATION_WAITING_TIMEOUT":
         ok = value.isdigit() and int(value) > 0
     elif key == "ROUTER_SHUTDOWN_GRACE_S":

@@ -380,8 +380,9 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             "{{ $labels.pd_instance }} ({{ $labels.instance }}) answers its scrape, and its "
             "scheduler has added no idle or stage time (sglang:scheduler_idle_seconds_total, "
             f"sglang:scheduler_stage_seconds_total) for {_d(w.stalled)}: a running scheduler "
-            "adds to them every second, busy or idle. Its /health and the router's health "
-            "checks keep passing while it stands still.",
+            "adds to them every second, busy or idle. Its /health answers 503 once its load "
+            "snapshot is older than SGLANG_HEALTH_SCHEDULER_STALL_S (patch 0033), and the "
+            "router then stops routing to it; with that check off, /health keeps passing.",
         )
     )
     marked = _marked(stack, w)

@@ -165,3 +165,21 @@ def test_the_bound_is_read_from_the_environment(raw, bound):
 def test_a_bad_bound_is_an_error_naming_the_variable(raw):
     with pytest.raises(ValueError, match=rf"^{liveness.VARIABLE}="):
         liveness.stall_bound_s({liveness.VARIABLE: raw})
+
+
+@pytest.mark.parametrize("raw", ["0", "8", "12.5", "600", "-1", "abc", "nan", "inf", "30s"])
+def test_env_check_refuses_exactly_the_values_the_engine_refuses(raw):
+    """launch/pd env check refuses a bad bound before a launch (launch/pdlib/envfiles.py keeps
+    the rule), and what it accepts is what the engine accepts."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from launch.pdlib import envfiles
+
+    try:
+        liveness.stall_bound_s({liveness.VARIABLE: raw})
+        engine_ok = True
+    except ValueError:
+        engine_ok = False
+    refused = envfiles.knob_value_error(liveness.VARIABLE, raw)
+    assert (refused is None) == engine_ok, refused
