@@ -20,6 +20,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,6 +33,7 @@ import yaml
 from engine_harness import (
     POST_ERROR_FAULT,
     ROOT,
+    Call,
     NodeExporter,
     Prometheus,
     decode_frozen_after_bootstrap,
@@ -52,6 +54,7 @@ from engine_harness import (
     suspend,
     wait_for,
     wait_idle,
+    wait_router_healthy,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -91,6 +94,10 @@ GREEDY = {
 # needs; once the room's pages are released the second request must take some of them (its
 # 900 tokens do not fit in the 672 that were free). The prompts are plain token ids.
 STACK_ARGS = {"prefill": "--chunked-prefill-size 128", "decode": "--max-total-tokens 3072"}
+# Patch 0033's bound in the test copy (env/cpu keeps the default, 30 s): below the 10 s after
+# which triage calls a scheduler wedged, so every wedged verdict here comes with /health at 503.
+STALL_BOUND = "SGLANG_HEALTH_SCHEDULER_STALL_S"
+STALL_BOUND_S = 8
 LONG_ROOM = {
     "input_ids": [2 + (7 * i) % 400 for i in range(2400)],
     "sampling_params": {"max_new_tokens": 8, "temperature": 0},
@@ -120,7 +127,11 @@ def cpu_stack(tmp_path_factory):
         GREEDY,
         WAITING_TIMEOUT_S,
         INFLIGHT_TIMEOUT_S,
-        common={maintenance.VARIABLE: str(tmp / "textfile"), POST_ERROR_FAULT: str(tmp / "fault")},
+        common={
+            maintenance.VARIABLE: str(tmp / "textfile"),
+            POST_ERROR_FAULT: str(tmp / "fault"),
+            STALL_BOUND: f"{STALL_BOUND_S:g}",
+        },
         args=STACK_ARGS,
     )
     yield stack
@@ -304,11 +315,12 @@ def tiny_vocab() -> int:
 
 
 def bad_requests(vocab: int, model: str) -> list[tuple[str, dict, str]]:
-    """(path, body, what the 400 must say) for each form of a request that ended an engine on
-    env/cpu before patch 0031: ids past the embedding table, negative, inside the table's
-    padding (answered before from a row no token owns), in a batch, streamed (answered 200 and
-    an error event with code 400, sglang's streaming contract), through OpenAI completions (a
-    prompt of ids, a batch of them), an empty text, and two logprob arguments."""
+    """([ROLE ]PATH, body, what the 400 must say) for each form of a request that ended an
+    engine on env/cpu before patch 0031, sent to the router or to ROLE's engine directly: ids
+    past the embedding table, negative, inside the table's padding (answered before from a row
+    no token owns), in a batch, streamed (answered 200 and an error event with code 400,
+    sglang's streaming contract), through OpenAI completions (a prompt of ids, a batch of
+    them), an empty text, and two logprob arguments."""
     rng = f"valid range is [0, {vocab})"
 
     def gen(**body) -> dict:
@@ -327,8 +339,12 @@ def bad_requests(vocab: int, model: str) -> list[tuple[str, dict, str]]:
         ("/generate", gen(text=""), "The prompt has no tokens"),
         ("/generate", gen(**logprobs, top_logprobs_num=10000), f"vocabulary's {vocab} tokens"),
         ("/generate", gen(**logprobs, logprob_start_len=-7), "logprob_start_len must be -1"),
-        ("/v1/completions", completion([5, 899]), f"899 at position 1; {rng}"),
-        ("/v1/completions", completion([[5, 6], [902, 7]]), f"902 at position 0; {rng}"),
+        # smg 1.13 refuses a prompt of token ids itself (its StringOrArray takes a string or
+        # strings); the engines take one, so each form is also sent to an engine directly.
+        ("/v1/completions", completion([5, 899]), "StringOrArray"),
+        ("/v1/completions", completion([[5, 6], [902, 7]]), "StringOrArray"),
+        ("prefill /v1/completions", completion([5, 899]), f"899 at position 1; {rng}"),
+        ("decode /v1/completions", completion([[5, 6], [902, 7]]), f"902 at position 0; {rng}"),
     ]
 
 
@@ -349,11 +365,13 @@ def test_a_request_no_scheduler_can_serve_is_refused_400_and_every_engine_serves
     ready(cpu_stack)
     before = engine_processes(cpu_stack)
     greedy = cpu_stack.post("/generate", GREEDY)["output_ids"]
-    model = cpu_stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 1})["model"]
+    # The model name launch/pd's probe sends (the engines serve it under this name).
+    model = envfiles.EnvDir(cpu_stack.env_dir).common().get("SERVED_MODEL_NAME") or "default"
     wrong = []
-    for path, body, says in bad_requests(tiny_vocab(), model):
+    for target, body, says in bad_requests(tiny_vocab(), model):
+        role, _, path = target.rpartition(" ")
         try:
-            with cpu_stack.request(cpu_stack.url["router"] + path, body, timeout=60) as resp:
+            with cpu_stack.request(cpu_stack.url[role or "router"] + path, body, 60) as resp:
                 status, text = resp.status, resp.read().decode(errors="replace")
         except urllib.error.HTTPError as exc:
             status, text = exc.code, exc.read().decode(errors="replace")
@@ -362,7 +380,7 @@ def test_a_request_no_scheduler_can_serve_is_refused_400_and_every_engine_serves
         else:
             refused = status == 400
         if not (refused and says in text):
-            wrong.append((path, body, status, text[:400]))
+            wrong.append((target, body, status, text[:400]))
     assert not wrong, wrong
     assert engine_processes(cpu_stack) == before
     assert cpu_stack.post("/generate", GREEDY)["output_ids"] == greedy
@@ -739,10 +757,12 @@ def test_decode_scheduler_alone_stopped_is_named_wedged_by_triage_probe_and_the_
     cpu_stack, prometheus
 ):
     """Decode's scheduler process alone stopped (SIGSTOP), its HTTP server running: /health
-    still answers 200, so the router keeps routing to it. Prometheus fires PDSchedulerStalled
-    for decode and not for prefill, next to it; bench/triage and launch/pd probe read
-    `scheduler wedged`, naming decode, the signals that stopped and for how long, not `idle`
-    or `inconclusive`. Resumed, the alert resolves and the stack serves again."""
+    answers 503 once the snapshot is older than patch 0033's bound, with the reason (before,
+    it answered 200 and the router kept routing to it; the prefill test below shows the router
+    acting on it). Prometheus fires PDSchedulerStalled for decode and not for prefill;
+    bench/triage and launch/pd probe read `scheduler wedged`, naming decode, the signals that
+    stopped and for how long, not `idle` or `inconclusive`. Resumed, the alert resolves and
+    the stack serves again."""
     ready(cpu_stack)
     schedulers = cpu_stack.schedulers("decode")
     suspend(schedulers)
@@ -773,7 +793,8 @@ def test_decode_scheduler_alone_stopped_is_named_wedged_by_triage_probe_and_the_
         resume(schedulers)
     print("alert:", json.dumps(stalled, indent=1))
     print(triage.stdout, probe.stdout, sep="\n")
-    assert health.status == 200
+    assert health.status == 503, (health.status, health.body)
+    assert b"scheduler of dp_rank 0 has not published its load snapshot for" in health.body
     assert not healthy, healthy
     assert stalled["labels"]["severity"] == "critical"
     assert stalled["annotations"]["summary"].endswith(
@@ -787,7 +808,7 @@ def test_decode_scheduler_alone_stopped_is_named_wedged_by_triage_probe_and_the_
     assert "triage verdict: scheduler wedged" in out, out
     because = re.search(r"^because: (.*)$", out, re.M).group(1)
     assert because.startswith(
-        f"decode ({cpu_stack.url['decode']}) answers over HTTP (/health: HTTP 200 in "
+        f"decode ({cpu_stack.url['decode']}) answers over HTTP (/health: HTTP 503 in "
     ), because
     age = re.search(
         r"its load snapshot \(/v1/loads loads\[dp_rank 0\]\.timestamp\) was last refreshed "
@@ -800,12 +821,98 @@ def test_decode_scheduler_alone_stopped_is_named_wedged_by_triage_probe_and_the_
     assert probe.returncode == 1, probe.stdout + probe.stderr
     assert (
         f"verdict: scheduler wedged: decode ({cpu_stack.url['decode']}) answers over HTTP "
-        "(/health: HTTP 200) but its scheduler does not run: its load snapshot"
+        "(/health: HTTP 503) but its scheduler does not run: its load snapshot"
     ) in probe.stdout, probe.stdout
     assert cpu_stack.key not in out + probe.stdout
     wait_idle(cpu_stack, "prefill", timeout_s=INFLIGHT_TIMEOUT_S + 30)
     wait_idle(cpu_stack, "decode", timeout_s=WAITING_TIMEOUT_S + 30)
     serves_a_fresh_request(cpu_stack)
+
+
+def router_worker(stack, role: str) -> dict:
+    (worker,) = [w for w in stack.router_workers() if w["url"] == stack.url[role]]
+    return worker
+
+
+def test_prefill_scheduler_alone_stopped_leaves_the_routers_rotation_and_comes_back(cpu_stack):
+    """Patch 0033 with the real router: prefill's scheduler alone stopped (SIGSTOP), its HTTP
+    server running. Once its load snapshot is older than the bound, /health answers 503 with
+    the reason, smg (checks every 2 s, three failures) marks it unhealthy, and a request
+    through the router is answered at once with the router's own error instead of being sent
+    to it; the whole exit takes under a minute. Resumed (SIGCONT), the same processes pass
+    smg's checks again and serve a greedy request equal to one taken before the stop."""
+    ready(cpu_stack)
+    greedy = cpu_stack.post("/generate", GREEDY)["output_ids"]
+    before = engine_processes(cpu_stack)
+    schedulers = cpu_stack.schedulers("prefill")
+    suspend(schedulers)
+    stopped = time.monotonic()
+    try:
+        wait_for(
+            lambda: router_worker(cpu_stack, "prefill")["is_healthy"] is False,
+            60,
+            "the router marking prefill unhealthy",
+            lambda: (router_worker(cpu_stack, "prefill"), snapshot_age(cpu_stack, "prefill")),
+        )
+        left_after = time.monotonic() - stopped
+        health = http_get(cpu_stack.url["prefill"] + "/health", timeout=5)
+        call = Call(cpu_stack, GREEDY)
+        call.start()
+        call.join(30)
+        assert not call.is_alive(), "the router held a request while prefill was out"
+    finally:
+        resume(schedulers)
+    print(f"prefill left the rotation {left_after:.1f} s after its scheduler stopped")
+    print(f"router's answer meanwhile: HTTP {call.status} in {call.took:.2f} s: {call.text}")
+    assert left_after < 60
+    assert health.status == 503
+    assert b"scheduler of dp_rank 0 has not published its load snapshot" in health.body
+    assert call.status == 503 and call.took < 10, (call.status, call.took, call.text)
+    wait_router_healthy(cpu_stack)
+    assert cpu_stack.post("/generate", GREEDY)["output_ids"] == greedy
+    assert engine_processes(cpu_stack) == before
+    assert http_get(cpu_stack.url["prefill"] + "/health", timeout=5).status == 200
+
+
+def test_busy_engines_answer_health_and_stay_in_rotation(cpu_stack):
+    """No false exit: while both engines serve a burst of long prompts (10 chunks of 128 on
+    prefill, 8 requests 4 at a time), every /health of each engine answers 200, the router
+    lists both healthy throughout, and the oldest load snapshot seen stays below the bound."""
+    ready(cpu_stack)
+    bodies = [
+        {"input_ids": [2 + (7 * i + j) % 400 for i in range(1280)], **{"sampling_params": {
+            "max_new_tokens": 8, "temperature": 0}}}
+        for j in range(8)
+    ]  # fmt: skip
+    done = threading.Event()
+    seen: dict[str, list] = {"health": [], "router": [], "age": []}
+
+    def watch():
+        while not done.is_set():
+            for role in ("prefill", "decode"):
+                seen["health"].append((role, http_get(cpu_stack.url[role] + "/health", 5).status))
+                seen["age"].append(snapshot_age(cpu_stack, role))
+            seen["router"].append(all(w["is_healthy"] for w in cpu_stack.router_workers()))
+            done.wait(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    started = time.monotonic()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            outputs = list(pool.map(lambda b: cpu_stack.post("/generate", b, 300), bodies))
+    finally:
+        done.set()
+        watcher.join(30)
+    took = time.monotonic() - started
+    print(
+        f"{len(bodies)} requests in {took:.1f} s; {len(seen['health'])} /health answers; "
+        f"oldest load snapshot seen {max(seen['age']):.2f} s"
+    )
+    assert all(len(o["output_ids"]) == 8 for o in outputs)
+    assert seen["health"] and all(status == 200 for _, status in seen["health"]), seen["health"]
+    assert seen["router"] and all(seen["router"]), seen["router"]
+    assert max(seen["age"]) < STALL_BOUND_S
 
 
 def test_requests_held_through_a_stalled_proxy_before_idle_engines_fire_the_alert(
