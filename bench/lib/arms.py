@@ -137,9 +137,13 @@ class EnvArm:
         return {"required": True, "verified": verified, "detail": detail, "keys": values}
 
     def _smg_python(self) -> str:
-        smg_bin = EnvDir(self.env_dir).role_env("router").get("SMG_BIN") or "smg"
-        path = Path(smg_bin)
-        return router_args.smg_python(path if path.is_absolute() else ROOT / path)
+        """The interpreter of the smg that SMG_BIN runs, found as launch/router.sh finds it."""
+        env = EnvDir(self.env_dir).role_env("router")
+        name = env.get("SMG_BIN") or "smg"
+        smg_bin = router_args.find_smg_bin(name, env.get("PATH"))
+        if smg_bin is None:
+            raise router_args.RouterArgsError(f"SMG_BIN={name}: no such executable on PATH")
+        return router_args.smg_python(smg_bin)
 
     def planned_router_settings(self) -> dict[str, Any]:
         """The routing settings launch/router.sh would start this arm's router with (the base

@@ -85,9 +85,20 @@ def _check_router_args(env_dir: Path, problems: list[str], notes: list[str]) -> 
     """The router's full command line, parsed by the parser of the smg that SMG_BIN runs."""
     env = EnvDir(env_dir)
     values = env.role_env("router")
-    smg_bin = Path(values.get("SMG_BIN") or "smg")
-    if not smg_bin.is_absolute() and len(smg_bin.parts) > 1:
-        smg_bin = router_args.ROOT / smg_bin
+    # Found as launch/router.sh finds it: a bare name on the router's PATH (an env file's PATH,
+    # else this process's), a path with a slash under the repository root.
+    name = values.get("SMG_BIN") or "smg"
+    smg_bin = router_args.find_smg_bin(name, values.get("PATH"))
+    if smg_bin is None or not smg_bin.is_file():
+        if values.get("SMG_BIN"):
+            where = f"{env.origin('router', None, 'SMG_BIN')}={name}"
+        else:
+            where = (
+                f"{Path(env_dir) / 'router.env'}: SMG_BIN is not set (launch/router.sh runs smg)"
+            )
+        found = "no such executable on PATH" if smg_bin is None else f"no such file ({smg_bin})"
+        problems.append(f"{where}: {found}; launch/router.sh could not start the router")
+        return
     python = router_args.smg_python(smg_bin)
     try:
         argv = router_args.launch_args(router_args.router_command(env_dir))
@@ -95,7 +106,10 @@ def _check_router_args(env_dir: Path, problems: list[str], notes: list[str]) -> 
     except router_args.RouterArgsError as exc:
         notes.append(f"router flags not checked: {exc}")
         return
-    notes.append(f"router command line checked with smg's parser (smg/router_args.py, {python})")
+    notes.append(
+        f"router command line checked with smg's parser (smg/router_args.py, {python}; "
+        f"SMG_BIN {smg_bin})"
+    )
     extra = values.get("ROUTER_ARGS", "").split()
     for flag, message in refused:
         if flag and flag in extra:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,19 @@ def settings_differences(a: dict | None, b: dict | None) -> list[str]:
         for key in sorted(set(sa) | set(sb))
         if sa.get(key) != sb.get(key)
     ]
+
+
+def find_smg_bin(value: str, search_path: str | None = None) -> Path | None:
+    """The file launch/router.sh runs for SMG_BIN=value (`from_root` in launch/lib.sh): an
+    absolute path as it is, a path with a slash under the repository root, a bare name looked
+    up on search_path (the router's PATH; None: this process's), None when no directory of it
+    has an executable of that name."""
+    if value.startswith("/"):
+        return Path(value)
+    if "/" in value:
+        return ROOT / value
+    found = shutil.which(value, path=search_path)
+    return Path(found) if found else None
 
 
 def smg_python(smg_bin: Path) -> str:

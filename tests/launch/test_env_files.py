@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 from launch_harness import ROOT, SECRET, processes_using, run_pd, set_values
@@ -436,6 +438,50 @@ def test_env_check_names_a_misspelt_router_flag_with_its_file_and_line(env_dir):
     assert f"router.env:{_router_args_line(env_dir)}: ROUTER_ARGS" in fails[0]
     assert "--worker-overlod-shed" in fails[0] and "unrecognized arguments" in fails[0]
     assert "smg's parser" in done.stdout
+
+
+def _smg_bin_line(env_dir) -> int:
+    lines = (env_dir / "router.env").read_text().splitlines()
+    return next(i for i, ln in enumerate(lines, 1) if ln.startswith("SMG_BIN="))
+
+
+def test_env_check_finds_a_bare_smg_bin_on_path_as_router_sh_does(env_dir, tmp_path):
+    # launch/router.sh runs a bare SMG_BIN from PATH (`command -v`); env check reads the same
+    # smg's parser, so the misspelt flag is refused.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "smg-on-path").symlink_to(ROOT / ".venv" / "bin" / "smg")
+    set_values(
+        env_dir / "router.env",
+        SMG_BIN="smg-on-path",
+        ROUTER_ARGS='"--policy round_robin --worker-overlod-shed"',
+    )
+    path = f"{bin_dir}:{os.environ['PATH']}"
+    dry_run = subprocess.run(
+        [str(ROOT / "launch" / "router.sh"), "--env-dir", str(env_dir), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PATH": path},
+    )
+    assert f"{bin_dir}/smg-on-path launch" in dry_run.stdout, dry_run.stdout + dry_run.stderr
+    done = run_pd("env", "check", "--env-dir", str(env_dir), env_extra={"PATH": path})
+    assert done.returncode == 1, done.stdout
+    fails = [ln for ln in done.stdout.splitlines() if ln.startswith("FAIL")]
+    assert len(fails) == 1 and "--worker-overlod-shed" in fails[0], done.stdout
+    assert f"SMG_BIN {bin_dir}/smg-on-path" in done.stdout
+
+
+def test_env_check_refuses_a_bare_smg_bin_on_no_path_directory(env_dir):
+    set_values(env_dir / "router.env", SMG_BIN="smg-on-no-path")
+    done = env_check(env_dir)
+    assert done.returncode == 1, done.stdout
+    fails = [ln for ln in done.stdout.splitlines() if ln.startswith("FAIL")]
+    assert fails == [
+        f"FAIL {env_dir}/router.env:{_smg_bin_line(env_dir)}: SMG_BIN=smg-on-no-path: no such "
+        "executable on PATH; launch/router.sh could not start the router"
+    ], done.stdout
+    assert "smg's parser" not in done.stdout
 
 
 def test_env_check_refuses_a_router_value_outside_smgs_choices(env_dir):
