@@ -15,7 +15,7 @@ import aiohttp
 
 from bench.lib import arms as arms_mod
 from bench.lib import router_counters
-from bench.lib.client import add_api_key_arg, first_model_id, redact
+from bench.lib.client import add_api_key_arg, first_model_id
 from bench.lib.load import LoadSpec, run_load
 from bench.lib.metrics import summarize_run
 from bench.lib.report import render
@@ -85,6 +85,17 @@ def check_router_settings(arm_a, arm_b) -> dict[str, Any] | None:
     return None if a is None else {"source": a["source"], "settings": a["settings"]}
 
 
+def _scrubbed(value: Any, redact) -> Any:
+    """value with redact applied to every string in it."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _scrubbed(v, redact) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_scrubbed(v, redact) for v in value]
+    return value
+
+
 async def _warm_up(url: str, model: str, plan: Plan, api_key: str) -> None:
     if plan.warmup:
         spec = LoadSpec(
@@ -139,7 +150,7 @@ def run_ab(
                     )
                 except (TimeoutError, aiohttp.ClientError, OSError, RuntimeError) as exc:
                     raise arms_mod.ArmError(
-                        f"arm {arm.name}: {arm.url} lists no model: {redact(str(exc), arm.api_key)}"
+                        f"arm {arm.name}: {arm.url} lists no model: {arm.redact(str(exc))}"
                     ) from exc
                 asyncio.run(_warm_up(arm.url, model, plan, arm.api_key))
                 for c in plan.concurrency:
@@ -174,8 +185,12 @@ def run_ab(
                     run.update(summarize_run(records, duration))
                     run["router"] = _router_counts(arm, before, error)
                     summary["runs"].append(run)
-                    # Written after every run so an interrupted A/B still leaves its evidence.
-                    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                    # Written after every run so an interrupted A/B still leaves its evidence, with
+                    # no secret of either arm in any string of it.
+                    redact = arms_mod.redactor(arm_a, arm_b)
+                    (out_dir / "summary.json").write_text(
+                        json.dumps(_scrubbed(summary, redact), indent=2) + "\n"
+                    )
     finally:
         raw.close()
         bar.close()
@@ -330,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_ab(plan, arm_a, arm_b, out_dir, progress=not args.no_progress)
     except arms_mod.ArmError as exc:
-        print(f"bench/ab: {exc}", file=sys.stderr)
+        print(f"bench/ab: {arms_mod.redactor(arm_a, arm_b)(str(exc))}", file=sys.stderr)
         if (out_dir / "summary.json").exists():
             print(render(out_dir), end="")
         print(f"bench/ab: stopped; partial results in {out_dir}", file=sys.stderr)

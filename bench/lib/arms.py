@@ -11,7 +11,7 @@ from typing import Any
 from bench.lib.client import resolve_api_key
 from bench.lib.stack import stack_from_env_dir
 from launch.pdlib import router_args
-from launch.pdlib.envfiles import EnvDir, parse_file
+from launch.pdlib.envfiles import REDACTED, EnvDir, Redactor, is_secret, parse_file
 from launch.pdlib.stack import load_stack, router_metrics_host
 from launch.pdlib.supervise import recorded_process
 
@@ -23,6 +23,11 @@ DEFAULT_ROLE_FILE = "decode.env"
 
 class ArmError(RuntimeError):
     """An arm cannot be prepared; the A/B stops and keeps what it has."""
+
+
+def redactor(*arms) -> Redactor:
+    """Strips every secret of these arms from a text (the longest first)."""
+    return Redactor(sorted(set().union(*(arm.secrets() for arm in arms)), key=len, reverse=True))
 
 
 class UrlArm:
@@ -37,6 +42,12 @@ class UrlArm:
 
     def describe(self) -> str:
         return f"running stack at {self.url}"
+
+    def secrets(self) -> set[str]:
+        return {self.api_key} - {""}
+
+    def redact(self, text: str) -> str:
+        return redactor(self)(text)
 
     def prepare(self, _trial: int) -> dict[str, Any]:
         return {"required": False, "verified": None, "detail": "URL mode: nothing applied"}
@@ -95,9 +106,23 @@ class EnvArm:
         self.cli_api_key = cli_api_key
         self.api_key = ""
         self.metrics_url: str | None = None
+        # The words this arm's router command lines gave secret-bearing smg flags.
+        self.secret_words: set[str] = set()
 
     def describe(self) -> str:
         return f"{self.overlay} over {self.base}" + (" (sim)" if self.sim else "")
+
+    def secrets(self) -> set[str]:
+        """This arm's secrets: its env files' (API_KEY and the like) and what its router's
+        command line gives secret-bearing smg flags (known once its settings were read: bench/ab
+        reads the planned ones first)."""
+        words = self.secret_words | {self.api_key}
+        if self.env_dir.is_dir():
+            words |= set(EnvDir(self.env_dir).secrets())
+        return words - {""}
+
+    def redact(self, text: str) -> str:
+        return redactor(self)(text)
 
     def _pd(self, verb: str) -> subprocess.CompletedProcess:
         cmd = [str(PD), verb, "--env-dir", str(self.env_dir)] + (["--sim"] if self.sim else [])
@@ -123,9 +148,11 @@ class EnvArm:
         restart = self._pd("co-restart")
         if restart.returncode != 0:
             tail = "\n".join((restart.stdout + restart.stderr).splitlines()[-15:])
-            raise ArmError(f"arm {self.name} trial {trial}: co-restart failed:\n{tail}")
+            raise ArmError(
+                f"arm {self.name} trial {trial}: co-restart failed:\n{self.redact(tail)}"
+            )
         verify = self._pd("verify")
-        lines = (verify.stdout + verify.stderr).splitlines()
+        lines = self.redact(verify.stdout + verify.stderr).splitlines()
         knob_lines = [ln.strip() for ln in lines if any(k in ln for k in values)]
         missing = [k for k in values if not any(k in ln for ln in knob_lines)]
         verified = verify.returncode == 0 and not missing
@@ -134,16 +161,23 @@ class EnvArm:
             detail += f"; not checked: {', '.join(missing)}"
         if verify.returncode != 0:
             detail += f"; launch/pd verify exited {verify.returncode}"
-        return {"required": True, "verified": verified, "detail": detail, "keys": values}
+        shown = {k: REDACTED if is_secret(k) and v else self.redact(v) for k, v in values.items()}
+        return {"required": True, "verified": verified, "detail": detail, "keys": shown}
 
-    def _smg_python(self) -> str:
-        """The interpreter of the smg that SMG_BIN runs, found as launch/router.sh finds it."""
+    def _settings(self, argv: list[str]) -> dict[str, Any]:
+        """smg's settings for argv, read by the parser of the smg that SMG_BIN runs (found as
+        launch/router.sh finds it). The words argv and ROUTER_ARGS give secret-bearing flags are
+        kept for redact (--dry-run shows --api-key's value as <redacted>; ROUTER_ARGS has it)."""
         env = EnvDir(self.env_dir).role_env("router")
         name = env.get("SMG_BIN") or "smg"
         smg_bin = router_args.find_smg_bin(name, env.get("PATH"))
         if smg_bin is None:
             raise router_args.RouterArgsError(f"SMG_BIN={name}: no such executable on PATH")
-        return router_args.smg_python(smg_bin)
+        python = router_args.smg_python(smg_bin)
+        secret, other = router_args.flag_names(python)
+        for words in (argv, env.get("ROUTER_ARGS", "").split()):
+            self.secret_words |= set(router_args.secret_words(secret, other, words))
+        return router_args.ask_smg(python, "settings", argv)
 
     def planned_router_settings(self) -> dict[str, Any]:
         """The routing settings launch/router.sh would start this arm's router with (the base
@@ -151,9 +185,11 @@ class EnvArm:
         apply_overlay(self.base, self.overlay, self.env_dir)
         try:
             argv = router_args.launch_args(router_args.router_command(self.env_dir))
-            settings = router_args.ask_smg(self._smg_python(), "settings", argv)
+            settings = self._settings(argv)
         except router_args.RouterArgsError as exc:
-            raise ArmError(f"arm {self.name}: the router's command line: {exc}") from exc
+            raise ArmError(
+                f"arm {self.name}: the router's command line: {self.redact(str(exc))}"
+            ) from exc
         return {"source": "launch/router.sh --dry-run", "settings": settings}
 
     def router_settings(self) -> dict[str, Any]:
@@ -164,10 +200,9 @@ class EnvArm:
         try:
             if proc is None:
                 return self.planned_router_settings()
-            argv = router_args.launch_args(proc.cmdline())
-            settings = router_args.ask_smg(self._smg_python(), "settings", argv)
+            settings = self._settings(router_args.launch_args(proc.cmdline()))
         except (router_args.RouterArgsError, OSError) as exc:
-            return {"source": "unreadable", "error": str(exc), "settings": None}
+            return {"source": "unreadable", "error": self.redact(str(exc)), "settings": None}
         return {"source": f"router pid {proc.pid} command line", "settings": settings}
 
 

@@ -484,6 +484,31 @@ def test_env_check_refuses_a_bare_smg_bin_on_no_path_directory(env_dir):
     assert "smg's parser" not in done.stdout
 
 
+def test_env_check_shows_no_value_given_to_a_secret_router_flag(env_dir):
+    planted = [f"planted-{i}-7c1e" for i in range(5)]
+    set_values(
+        env_dir / "router.env",
+        ROUTER_ARGS=f'"--tenant-api-key t:{planted[0]} --oracle-password={planted[1]} '
+        f"--control-plane-api-keys {planted[2]} --cache-boundaries {planted[3]} "
+        f'--oracle-pasword {planted[4]}"',
+    )
+    done = env_check(env_dir)
+    assert done.returncode == 1, done.stdout
+    fails = [ln for ln in done.stdout.splitlines() if ln.startswith("FAIL")]
+    assert len(fails) == 2, done.stdout
+    assert "--cache-boundaries" in fails[0] and "--oracle-pasword" in fails[1], done.stdout
+    assert not [v for v in planted if v in done.stdout + done.stderr], done.stdout
+    # Once the line parses, smg's own reading of the values (here a control-plane key that is
+    # not id:name:role:key) is refused without the value either.
+    set_values(
+        env_dir / "router.env",
+        ROUTER_ARGS=f'"--tenant-api-key t:{planted[0]} --control-plane-api-keys {planted[2]}"',
+    )
+    done = env_check(env_dir)
+    fail = next(ln for ln in done.stdout.splitlines() if ln.startswith("FAIL"))
+    assert "control-plane API key" in fail and planted[2] not in done.stdout, done.stdout
+
+
 def test_env_check_refuses_a_router_value_outside_smgs_choices(env_dir):
     smg = _smg_launch("--policy", "round_robbin")
     assert smg.returncode == 2 and "invalid choice: 'round_robbin'" in smg.stderr
