@@ -66,6 +66,9 @@ def apply_overlay(base: Path, overlay: Path, dest: Path) -> dict[str, str]:
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(base, dest, ignore=shutil.ignore_patterns("ab", "backups"))
+    # The copy is the env a stack runs from, secrets as they are in the base files: only the
+    # user who ran bench/ab may read it.
+    dest.chmod(0o700)
     pending = dict(overlay_lines)
     for path in sorted(dest.glob("*.env")):
         lines = path.read_text().splitlines()

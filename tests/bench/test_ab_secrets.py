@@ -103,7 +103,11 @@ def _run(tmp_path, monkeypatch, capsys, engine: str, args_a: str, args_b: str, r
 
 def _written(out) -> dict[str, str]:
     """Every file bench/ab wrote under out, but the arms' env dirs: those are the env the
-    stacks run from (a copy of the base env with the overlay, secrets as they are in env/)."""
+    stacks run from (a copy of the base env with the overlay, secrets as they are in env/),
+    readable by their owner only."""
+    for arm in ("env-A", "env-B"):
+        if (out / arm).exists():
+            assert (out / arm).stat().st_mode & 0o777 == 0o700, arm
     return {
         str(p.relative_to(out)): p.read_text(errors="replace")
         for p in out.rglob("*")
