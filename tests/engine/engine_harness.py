@@ -135,14 +135,16 @@ def start_fault_stack(
     inflight_s: float,
     common: dict[str, str] | None = None,
     args: dict[str, str] | None = None,
+    role_env: dict[str, dict[str, str]] | None = None,
 ) -> Stack:
     """`launch/pd up` from a copy of env/SRC in `tmp`, set up for the fault tests: free loopback
     ports, a fresh API key, KV over TCP only (decode_frozen_after_bootstrap says why), decode's
     waiting and prefill's inflight timeouts as given, decode's deferred release at
     DEFERRED_RELEASE_S, and the router's retries off (a retry
-    would hide an engine's failure from the client). `common` adds common.env values, `args`
-    server flags per engine role, after the env file's (sglang takes a repeated flag's last
-    value). On a failed `up` it stops what started and fails with the three logs' tails."""
+    would hide an engine's failure from the client). `common` adds common.env values,
+    `role_env` values per role file, `args` server flags per engine role, after the env file's
+    (sglang takes a repeated flag's last value). On a failed `up` it stops what started and
+    fails with the three logs' tails."""
     env_dir = tmp / "env"
     shutil.copytree(ROOT / "env" / src, env_dir)
     prefill, boot, decode, router, prom = free_loopback_ports(5)
@@ -168,6 +170,8 @@ def start_fault_stack(
     envfiles.set_values(
         env_dir / "prefill.env", {"SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT": f"{inflight_s:g}"}
     )
+    for role, extra_values in (role_env or {}).items():
+        envfiles.set_values(env_dir / f"{role}.env", extra_values)
     for role, extra in (args or {}).items():
         name = f"{role.upper()}_ARGS"
         current = {ln.key: ln.value for ln in envfiles.parse_file(env_dir / f"{role}.env")}

@@ -94,10 +94,14 @@ GREEDY = {
 # needs; once the room's pages are released the second request must take some of them (its
 # 900 tokens do not fit in the 672 that were free). The prompts are plain token ids.
 STACK_ARGS = {"prefill": "--chunked-prefill-size 128", "decode": "--max-total-tokens 3072"}
-# Patch 0033's bound in the test copy (env/cpu keeps the default, 30 s): below the 10 s after
-# which triage calls a scheduler wedged, so every wedged verdict here comes with /health at 503.
+# Patch 0033's bound in the test copy (env/cpu keeps the default, 30 s). Decode's is short, so
+# the wedged test sees decode leave the router's rotation soon; busy, on 2 loaded cores, a
+# scheduler here went up to 5.6 s without publishing, so it is not shorter. Prefill's is above
+# the longest time the late-write tests hold its scheduler stopped (its waiting timeout, the
+# deferred release and the quarantine, about 40 s) while a second request must still reach
+# decode through the router.
 STALL_BOUND = "SGLANG_HEALTH_SCHEDULER_STALL_S"
-STALL_BOUND_S = 8
+STALL_BOUND_S = {"decode": 15, "prefill": 120}
 LONG_ROOM = {
     "input_ids": [2 + (7 * i) % 400 for i in range(2400)],
     "sampling_params": {"max_new_tokens": 8, "temperature": 0},
@@ -130,9 +134,9 @@ def cpu_stack(tmp_path_factory):
         common={
             maintenance.VARIABLE: str(tmp / "textfile"),
             POST_ERROR_FAULT: str(tmp / "fault"),
-            STALL_BOUND: f"{STALL_BOUND_S:g}",
         },
         args=STACK_ARGS,
+        role_env={role: {STALL_BOUND: str(bound)} for role, bound in STALL_BOUND_S.items()},
     )
     yield stack
     stop_stack(stack)
@@ -746,6 +750,11 @@ def decode_up(prometheus) -> float | None:
     return float(got[0]["value"][1]) if got else None
 
 
+def router_worker(stack, role: str) -> dict:
+    (worker,) = [w for w in stack.router_workers() if w["url"] == stack.url[role]]
+    return worker
+
+
 def snapshot_age(stack, role: str) -> float:
     """How old the engine's load snapshot is, by the engine's own clock (0 when unread)."""
     reply = http_get(stack.url[role] + wedged.LOADS_PATH, timeout=5, api_key=stack.key)
@@ -756,17 +765,33 @@ def snapshot_age(stack, role: str) -> float:
 def test_decode_scheduler_alone_stopped_is_named_wedged_by_triage_probe_and_the_alert(
     cpu_stack, prometheus
 ):
-    """Decode's scheduler process alone stopped (SIGSTOP), its HTTP server running: /health
-    answers 503 once the snapshot is older than patch 0033's bound, with the reason (before,
-    it answered 200 and the router kept routing to it; the prefill test below shows the router
-    acting on it). Prometheus fires PDSchedulerStalled for decode and not for prefill;
-    bench/triage and launch/pd probe read `scheduler wedged`, naming decode, the signals that
-    stopped and for how long, not `idle` or `inconclusive`. Resumed, the alert resolves and
-    the stack serves again."""
+    """Decode's scheduler process alone stopped (SIGSTOP), its HTTP server running. Patch
+    0033: once its load snapshot is older than the bound, /health answers 503 with the reason,
+    smg (checks every 2 s, three failures) marks decode unhealthy, and a request through the
+    router gets smg's own 503 at once instead of being sent to it; the exit takes under a
+    minute (before the patch /health answered 200 and the router kept routing to it).
+    Prometheus fires PDSchedulerStalled for decode and not for prefill; bench/triage and
+    launch/pd probe read `scheduler wedged`, naming decode, the signals that stopped and for
+    how long, not `idle` or `inconclusive`. Resumed (SIGCONT), the alert resolves, the same
+    processes pass smg's checks again and serve the greedy tokens taken before the stop."""
     ready(cpu_stack)
+    greedy = cpu_stack.post("/generate", GREEDY)["output_ids"]
+    before = engine_processes(cpu_stack)
     schedulers = cpu_stack.schedulers("decode")
     suspend(schedulers)
+    stopped = time.monotonic()
     try:
+        wait_for(
+            lambda: router_worker(cpu_stack, "decode")["is_healthy"] is False,
+            60,
+            "the router marking decode unhealthy",
+            lambda: (router_worker(cpu_stack, "decode"), snapshot_age(cpu_stack, "decode")),
+        )
+        left_after = time.monotonic() - stopped
+        call = Call(cpu_stack, GREEDY)
+        call.start()
+        call.join(30)
+        assert not call.is_alive(), "the router held a request while decode was out"
         stalled = prometheus.wait_firing("PDSchedulerStalled", 60, pd_instance="decode")
         healthy = prometheus.alerts("PDSchedulerStalled", pd_instance="prefill")
         # The snapshot only ages while the scheduler is stopped: a condition that stays met.
@@ -793,6 +818,11 @@ def test_decode_scheduler_alone_stopped_is_named_wedged_by_triage_probe_and_the_
         resume(schedulers)
     print("alert:", json.dumps(stalled, indent=1))
     print(triage.stdout, probe.stdout, sep="\n")
+    print(f"decode left the rotation {left_after:.1f} s after its scheduler stopped")
+    print(f"router's answer meanwhile: HTTP {call.status} in {call.took:.2f} s: {call.text}")
+    assert left_after < 60
+    assert call.status == 503 and call.took < 10, (call.status, call.took, call.text)
+    assert "No available decode workers" in call.text, call.text
     assert health.status == 503, (health.status, health.body)
     assert b"scheduler of dp_rank 0 has not published its load snapshot for" in health.body
     assert not healthy, healthy
@@ -826,58 +856,16 @@ def test_decode_scheduler_alone_stopped_is_named_wedged_by_triage_probe_and_the_
     assert cpu_stack.key not in out + probe.stdout
     wait_idle(cpu_stack, "prefill", timeout_s=INFLIGHT_TIMEOUT_S + 30)
     wait_idle(cpu_stack, "decode", timeout_s=WAITING_TIMEOUT_S + 30)
-    serves_a_fresh_request(cpu_stack)
-
-
-def router_worker(stack, role: str) -> dict:
-    (worker,) = [w for w in stack.router_workers() if w["url"] == stack.url[role]]
-    return worker
-
-
-def test_prefill_scheduler_alone_stopped_leaves_the_routers_rotation_and_comes_back(cpu_stack):
-    """Patch 0033 with the real router: prefill's scheduler alone stopped (SIGSTOP), its HTTP
-    server running. Once its load snapshot is older than the bound, /health answers 503 with
-    the reason, smg (checks every 2 s, three failures) marks it unhealthy, and a request
-    through the router is answered at once with the router's own error instead of being sent
-    to it; the whole exit takes under a minute. Resumed (SIGCONT), the same processes pass
-    smg's checks again and serve a greedy request equal to one taken before the stop."""
-    ready(cpu_stack)
-    greedy = cpu_stack.post("/generate", GREEDY)["output_ids"]
-    before = engine_processes(cpu_stack)
-    schedulers = cpu_stack.schedulers("prefill")
-    suspend(schedulers)
-    stopped = time.monotonic()
-    try:
-        wait_for(
-            lambda: router_worker(cpu_stack, "prefill")["is_healthy"] is False,
-            60,
-            "the router marking prefill unhealthy",
-            lambda: (router_worker(cpu_stack, "prefill"), snapshot_age(cpu_stack, "prefill")),
-        )
-        left_after = time.monotonic() - stopped
-        health = http_get(cpu_stack.url["prefill"] + "/health", timeout=5)
-        call = Call(cpu_stack, GREEDY)
-        call.start()
-        call.join(30)
-        assert not call.is_alive(), "the router held a request while prefill was out"
-    finally:
-        resume(schedulers)
-    print(f"prefill left the rotation {left_after:.1f} s after its scheduler stopped")
-    print(f"router's answer meanwhile: HTTP {call.status} in {call.took:.2f} s: {call.text}")
-    assert left_after < 60
-    assert health.status == 503
-    assert b"scheduler of dp_rank 0 has not published its load snapshot" in health.body
-    assert call.status == 503 and call.took < 10, (call.status, call.took, call.text)
     wait_router_healthy(cpu_stack)
     assert cpu_stack.post("/generate", GREEDY)["output_ids"] == greedy
     assert engine_processes(cpu_stack) == before
-    assert http_get(cpu_stack.url["prefill"] + "/health", timeout=5).status == 200
+    assert http_get(cpu_stack.url["decode"] + "/health", timeout=5).status == 200
 
 
 def test_busy_engines_answer_health_and_stay_in_rotation(cpu_stack):
     """No false exit: while both engines serve a burst of long prompts (10 chunks of 128 on
     prefill, 8 requests 4 at a time), every /health of each engine answers 200, the router
-    lists both healthy throughout, and the oldest load snapshot seen stays below the bound."""
+    lists both healthy throughout, and the oldest load snapshot seen stays below both bounds."""
     ready(cpu_stack)
     bodies = [
         {"input_ids": [2 + (7 * i + j) % 400 for i in range(1280)], **{"sampling_params": {
@@ -891,7 +879,7 @@ def test_busy_engines_answer_health_and_stay_in_rotation(cpu_stack):
         while not done.is_set():
             for role in ("prefill", "decode"):
                 seen["health"].append((role, http_get(cpu_stack.url[role] + "/health", 5).status))
-                seen["age"].append(snapshot_age(cpu_stack, role))
+                seen["age"].append((snapshot_age(cpu_stack, role), role))
             seen["router"].append(all(w["is_healthy"] for w in cpu_stack.router_workers()))
             done.wait(0.5)
 
@@ -907,12 +895,12 @@ def test_busy_engines_answer_health_and_stay_in_rotation(cpu_stack):
     took = time.monotonic() - started
     print(
         f"{len(bodies)} requests in {took:.1f} s; {len(seen['health'])} /health answers; "
-        f"oldest load snapshot seen {max(seen['age']):.2f} s"
+        "oldest load snapshot seen: %.2f s (%s)" % max(seen["age"])
     )
     assert all(len(o["output_ids"]) == 8 for o in outputs)
     assert seen["health"] and all(status == 200 for _, status in seen["health"]), seen["health"]
     assert seen["router"] and all(seen["router"]), seen["router"]
-    assert max(seen["age"]) < STALL_BOUND_S
+    assert all(age < STALL_BOUND_S[role] for age, role in seen["age"]), max(seen["age"])
 
 
 def test_requests_held_through_a_stalled_proxy_before_idle_engines_fire_the_alert(
