@@ -360,10 +360,29 @@ def cmd_rolling_restart(args, stack: Stack, sup, out) -> int:
 
 def cmd_verify(args) -> int:
     textfile = Path(args.textfile) if args.textfile else None
+    # node_exporter's textfile collector reads *.prom only; this also stops a target name taken
+    # for PATH (`--textfile decode`).
+    if textfile is not None and textfile.suffix != ".prom":
+        print(
+            f"verify: --textfile {textfile}: not a .prom file (node_exporter's textfile "
+            "collector reads only *.prom); give PATH ending in .prom, or --textfile last with "
+            f"no PATH for {maintenance.VARIABLE}/sm120pd_verify_<PD_UNIT_PREFIX>.prom",
+            file=sys.stderr,
+        )
+        return 2
+    stack, _, out = _context(args)
+    if args.textfile == "":
+        textfile = maintenance.verify_textfile(stack)
+        if textfile is None:
+            print(
+                f"verify: --textfile with no PATH writes into {maintenance.VARIABLE}, which "
+                "common.env does not set; set it or give PATH",
+                file=sys.stderr,
+            )
+            return 2
     if textfile is not None and not textfile.parent.is_dir():
         print(f"verify: --textfile {textfile}: no directory {textfile.parent}", file=sys.stderr)
         return 2
-    stack, _, out = _context(args)
     results = checks.verify(_narrowed(stack, args.roles))
     for check in results:
         out(check.line())
@@ -642,8 +661,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--textfile",
         metavar="PATH",
-        help="also write the results in the Prometheus text format to PATH (for node_exporter's "
-        "textfile collector: one gauge per check, labelled by instance, layer and variable)",
+        nargs="?",
+        const="",
+        help="also write the results in the Prometheus text format to PATH, a .prom file (for "
+        "node_exporter's textfile collector: one gauge per check, labelled by instance, layer "
+        "and variable); with no PATH (put it last), to "
+        f"{maintenance.VARIABLE}/sm120pd_verify_<PD_UNIT_PREFIX>.prom, a file per stack",
     )
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser(

@@ -48,11 +48,22 @@ def textfile_dir(stack: Stack) -> Path | None:
     return from_root(value) if value else None
 
 
-def textfile(stack: Stack) -> Path | None:
+def _named(stack: Stack, what: str) -> Path | None:
+    """PD_TEXTFILE_DIR/sm120pd_WHAT_<PD_UNIT_PREFIX>.prom: a file per stack, so two stacks
+    sharing one node_exporter never write over each other's file."""
     where = textfile_dir(stack)
     if where is None:
         return None
-    return where / f"sm120pd_maintenance_{re.sub(r'[^A-Za-z0-9_.-]', '_', stack.unit_prefix)}.prom"
+    return where / f"sm120pd_{what}_{re.sub(r'[^A-Za-z0-9_.-]', '_', stack.unit_prefix)}.prom"
+
+
+def textfile(stack: Stack) -> Path | None:
+    return _named(stack, "maintenance")
+
+
+def verify_textfile(stack: Stack) -> Path | None:
+    """Where `launch/pd verify --textfile` writes with no PATH."""
+    return _named(stack, "verify")
 
 
 def _label(value: str) -> str:

@@ -499,8 +499,8 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             f"time() - max by (stack) ({last}) > {w.verify_stale:g}\nor absent({last})",
             3 * w.scrape,
             "warning",
-            f"No recent launch/pd verify result for this stack. Run: {verify} --textfile "
-            "TEXTFILE_DIR/sm120pd_verify.prom, and check its cron job or timer",
+            f"No recent launch/pd verify result for this stack. Run: {verify} --textfile, and "
+            "check its cron job or timer",
             f"The newest verify result Prometheus has for {p} is older than "
             f"{_d(w.verify_stale)}, or there is none: PDKnobDrift cannot fire on results that "
             "do not arrive.",

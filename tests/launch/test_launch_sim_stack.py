@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
-from launch_harness import SECRET, SimStack, kill_all, processes_using, set_values
+from launch_harness import ROOT, SECRET, SimStack, kill_all, processes_using, set_values
 from prometheus_client.parser import text_string_to_metric_families
 
 from launch.pdlib import envfiles
@@ -209,6 +209,35 @@ def test_verify_textfile_in_a_missing_directory_is_refused_before_any_check(sim_
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"verify: --textfile {path}: no directory {path.parent}" in done.stderr
     assert "ok   " not in done.stdout and not path.parent.exists()
+
+
+def test_verify_textfile_with_no_path_writes_the_stacks_own_file_in_pd_textfile_dir(
+    sim_stack: SimStack, tmp_path
+):
+    """`verify --textfile` with no PATH writes PD_TEXTFILE_DIR/sm120pd_verify_<PD_UNIT_PREFIX>
+    .prom: the directory launch/pd writes its maintenance marks into, and a name per stack, so
+    two stacks on one node_exporter keep their own results. A PATH that is not a .prom file (a
+    target name taken for PATH) and no PD_TEXTFILE_DIR are refused before any check runs."""
+    common = sim_stack.env / "common.env"
+    before = common.read_text()
+    prefix = envfiles.EnvDir(sim_stack.env).common()["PD_UNIT_PREFIX"]
+    path = tmp_path / f"sm120pd_verify_{prefix}.prom"
+    try:
+        set_values(common, PD_TEXTFILE_DIR=str(tmp_path))
+        done = sim_stack.pd("verify", "--textfile")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"verify: results written to {path}" in done.stdout
+        assert f'stack="{prefix}"' in path.read_text()
+        named = sim_stack.pd("verify", "--textfile", "decode")
+        assert named.returncode == 2, named.stdout + named.stderr
+        assert "verify: --textfile decode: not a .prom file" in named.stderr
+        assert "ok   " not in named.stdout and not (ROOT / "decode").exists()
+        set_values(common, PD_TEXTFILE_DIR="")
+        unset = sim_stack.pd("verify", "--textfile")
+        assert unset.returncode == 2, unset.stdout + unset.stderr
+        assert "which common.env does not set" in unset.stderr and "ok   " not in unset.stdout
+    finally:
+        common.write_text(before)
 
 
 def test_verify_fails_on_plain_upstream_sglang_without_crashing(
