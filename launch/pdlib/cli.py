@@ -422,7 +422,8 @@ def _checked(env_dir: Path, for_monitoring: bool) -> tuple[list[str], list[str]]
     """env check's problems and notes; for monitoring, also the engines without /metrics."""
     problems, notes = envcheck.check(env_dir)
     if for_monitoring and not problems:
-        problems = monitoring.metrics_problems(load_stack(env_dir, sim=False))
+        stack = load_stack(env_dir, sim=False)
+        problems = monitoring.metrics_problems(stack) + monitoring.textfile_problems(stack)
     return problems, notes
 
 
@@ -488,6 +489,7 @@ def cmd_monitoring(args) -> int:
         args.scrape_interval,
         args.queue_after,
         quarantine=args.quarantine_after,
+        scraped=bool(args.textfile_target) or args.textfile_scraped,
     )
     for path in monitoring.render(
         out_dir,
@@ -498,12 +500,24 @@ def cmd_monitoring(args) -> int:
         args.textfile_target,
     ):
         print(f"wrote {path}")
-    if not windows.marked and args.down_after is None:
+    waits = (
+        "PDInstanceDown waits each role's health timeout "
+        f"({', '.join(f'{k} {v:g} s' for k, v in windows.down.items())}) instead of "
+        f"{monitoring.DOWN_AFTER_S:g} s"
+    )
+    if maintenance.textfile_dir(stack) is None:
+        if args.down_after is None:
+            print(
+                f"note: {maintenance.VARIABLE} is not set in common.env, so launch/pd cannot "
+                f"mark its own restarts; {waits}"
+            )
+    elif not windows.scraped:
         print(
-            f"note: {maintenance.VARIABLE} is not set in common.env, so launch/pd cannot mark "
-            "its own restarts; PDInstanceDown waits each role's health timeout "
-            f"({', '.join(f'{k} {v:g} s' for k, v in windows.down.items())}) instead of "
-            f"{monitoring.DOWN_AFTER_S:g} s"
+            f"note: nothing scrapes {maintenance.VARIABLE} here (--textfile-target renders a "
+            "job for a node_exporter that reads it, --textfile-scraped says your own does), so "
+            "no maintenance mark or verify result reaches this Prometheus: "
+            + (f"{waits}, and " if args.down_after is None else "")
+            + "PDVerifyStale is not rendered"
         )
     if not windows.inflight_bounded:
         print(
@@ -726,8 +740,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds an instance may fail its scrape, outside launch/pd's maintenance marks, "
         "before PDInstanceDown fires; also sets PDInstanceNotRouted to twice this (default: "
-        f"{monitoring.DOWN_AFTER_S:g} with PD_TEXTFILE_DIR set, and that + "
-        f"{rotation.ROUTER_TIMEOUT_S:g} for PDInstanceNotRouted; without it the role's "
+        f"{monitoring.DOWN_AFTER_S:g} with PD_TEXTFILE_DIR set and scraped, and that + "
+        f"{rotation.ROUTER_TIMEOUT_S:g} for PDInstanceNotRouted; otherwise the role's "
         "ROLE_HEALTH_TIMEOUT_S, and a rolling restart's longest run for PDInstanceNotRouted)",
     )
     p.add_argument(
@@ -756,6 +770,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a node_exporter that reads PD_TEXTFILE_DIR: adds a scrape job for it, so verify "
         "results and maintenance marks reach this Prometheus (default: none; your own "
         "node_exporter job does the same)",
+    )
+    p.add_argument(
+        "--textfile-scraped",
+        action="store_true",
+        help="your own node_exporter job scrapes PD_TEXTFILE_DIR (as --textfile-target does): "
+        "the short PDInstanceDown windows and PDVerifyStale are rendered only when one of the "
+        "two says the marks and verify's results reach Prometheus (default: off)",
     )
     p.add_argument(
         "--stalled-after",

@@ -90,6 +90,9 @@ class Windows:
     prealloc: float
     inflight_bounded: bool
     marked: bool = False
+    # Whether a scrape of PD_TEXTFILE_DIR is rendered or declared (--textfile-target,
+    # --textfile-scraped): the marks and verify's results reach Prometheus only then.
+    scraped: bool = False
     down_given: bool = False
     stalled: float = STALLED_AFTER_S
     flap: float = FLAP_S
@@ -121,12 +124,14 @@ def windows(
     scrape: float = 15.0,
     queue_after: float | None = None,
     quarantine: float = QUARANTINE_AFTER_S,
+    scraped: bool = False,
 ) -> Windows:
     """The alert windows from the env files (launch/pd env check has vetted the values). An
-    instance may be down DOWN_AFTER_S when launch/pd marks its own work (PD_TEXTFILE_DIR), else
-    its role's health timeout; `down` replaces either."""
+    instance may be down DOWN_AFTER_S when launch/pd marks its own work (PD_TEXTFILE_DIR) and
+    the marks are scraped (`scraped`), else its role's health timeout: marks nobody reads
+    cannot hold an alert back. `down` replaces either."""
     health = {kind: max(r.health_timeout_s for r in stack.of_kind(kind)) for kind in ROLE_KINDS}
-    marked = maintenance.textfile_dir(stack) is not None
+    marked = maintenance.textfile_dir(stack) is not None and scraped
     down_s = {
         kind: down if down is not None else DOWN_AFTER_S if marked else health[kind]
         for kind in ROLE_KINDS
@@ -153,6 +158,7 @@ def windows(
         prealloc=queue_after or (bootstrap or UPSTREAM_BOOTSTRAP_S) + slack,
         inflight_bounded=bool(inflight),
         marked=marked,
+        scraped=scraped,
         down_given=down is not None,
         stalled=stalled,
         flap=flap,
@@ -493,18 +499,23 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
         )
     )
     last = f'sm120pd_verify_last_run_timestamp_seconds{{stack="{p}"}}'
-    out.append(
-        _alert(
-            "PDVerifyStale",
-            f"time() - max by (stack) ({last}) > {w.verify_stale:g}\nor absent({last})",
-            3 * w.scrape,
-            "warning",
-            f"No recent launch/pd verify result for this stack. Run: {verify} --textfile, and "
-            "check its cron job or timer",
-            f"The newest verify result Prometheus has for {p} is older than "
-            f"{_d(w.verify_stale)}, or there is none: PDKnobDrift cannot fire on results that "
-            "do not arrive.",
-        )
+    # Only where verify's results are scraped: elsewhere absent() would warn forever.
+    out.extend(
+        [
+            _alert(
+                "PDVerifyStale",
+                f"time() - max by (stack) ({last}) > {w.verify_stale:g}\nor absent({last})",
+                3 * w.scrape,
+                "warning",
+                f"No recent launch/pd verify result for this stack. Run: {verify} --textfile, and "
+                "check its cron job or timer",
+                f"The newest verify result Prometheus has for {p} is older than "
+                f"{_d(w.verify_stale)}, or there is none: PDKnobDrift cannot fire on results that "
+                "do not arrive.",
+            )
+        ]
+        if w.scraped
+        else []
     )
     for rule in out:
         rule["labels"]["stack"] = p
@@ -822,6 +833,35 @@ def render(
         path.parent.mkdir(parents=True, exist_ok=True)
         write_whole(path, text, 0o644)
     return list(files)
+
+
+def textfile_problems(stack: Stack) -> list[str]:
+    """A PD_TEXTFILE_DIR this user cannot write: launch/pd's maintenance marks would never be
+    written there, so rules rendered for marks would page on every restart."""
+    where = maintenance.textfile_dir(stack)
+    if where is None:
+        return []
+    origin = stack.env.origin("common", None, maintenance.VARIABLE)
+    if not where.is_dir():
+        why = "no such directory"
+    elif not os.access(where, os.W_OK | os.X_OK):
+        why = f"this user ({_user()}) cannot write it"
+    else:
+        return []
+    return [
+        f"{origin}={where}: {why}, so launch/pd cannot write its maintenance marks there "
+        f"(and verify --textfile its results); make it writable for the user that runs "
+        f"launch/pd, or unset {maintenance.VARIABLE}"
+    ]
+
+
+def _user() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
 
 
 def metrics_problems(stack: Stack) -> list[str]:

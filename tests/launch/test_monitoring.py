@@ -219,9 +219,73 @@ def test_without_textfile_dir_instance_down_waits_the_health_timeout(tmp_path: P
     ]
 
 
+def test_marks_nothing_scrapes_hold_no_alert_back_and_verify_stale_is_not_rendered(
+    marked_env: Path, tmp_path: Path
+):
+    """PD_TEXTFILE_DIR set and writable, but neither --textfile-target nor --textfile-scraped:
+    no maintenance mark and no verify result reaches this Prometheus, so PDInstanceDown waits
+    each role's health timeout (300/300/120 s) and reads no mark, and PDVerifyStale is not
+    rendered (its absent() would warn forever 45 s after Prometheus starts). The command says
+    so. --textfile-scraped (your own node_exporter job) gives the marked windows back."""
+    out = tmp_path / "out"
+    done = run_pd("monitoring", "--env-dir", str(marked_env), "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (
+        "note: nothing scrapes PD_TEXTFILE_DIR here (--textfile-target renders a job for a "
+        "node_exporter that reads it, --textfile-scraped says your own does), so no maintenance "
+        "mark or verify result reaches this Prometheus: PDInstanceDown waits each role's health "
+        "timeout (prefill 300 s, decode 300 s, router 120 s) instead of 120 s, and PDVerifyStale "
+        "is not rendered"
+    ) in done.stdout
+    rules = rules_of(out)
+    waits = {(r["alert"], r["labels"].get("pd_role")): seconds(r["for"]) for r in rules}
+    assert {k: v for k, v in waits.items() if k[0] == "PDInstanceDown"} == {
+        ("PDInstanceDown", "prefill"): 300,
+        ("PDInstanceDown", "decode"): 300,
+        ("PDInstanceDown", "router"): 120,
+    }
+    assert not [r for r in rules if "maintenance" in r["expr"]]
+    assert "PDVerifyStale" not in {r["alert"] for r in rules}
+    scraped = tmp_path / "scraped"
+    done = run_pd(
+        "monitoring", "--env-dir", str(marked_env), "--out", str(scraped), "--textfile-scraped"
+    )
+    assert done.returncode == 0 and "PD_TEXTFILE_DIR" not in done.stdout, done.stdout
+    by = by_key(rules_of(scraped))
+    assert seconds(by[("PDInstanceDown", "prefill")]["for"]) == 120
+    assert ("PDVerifyStale", None) in by
+
+
+def test_a_textfile_dir_launch_pd_cannot_write_is_refused_naming_its_line(tmp_path: Path):
+    """env check --monitoring and monitoring refuse a PD_TEXTFILE_DIR launch/pd could not write
+    its marks into (here one that does not exist; a directory this user may not write is
+    refused the same way, which a root test process cannot show), naming file, line and
+    variable; nothing is rendered."""
+    env = copy_env(tmp_path, f"PD_TEXTFILE_DIR={tmp_path / 'missing'}\n")
+    line = (
+        (env / "common.env")
+        .read_text()
+        .splitlines()
+        .index(f"PD_TEXTFILE_DIR={tmp_path / 'missing'}")
+    )
+    said = (
+        f"common.env:{line + 1}: PD_TEXTFILE_DIR={tmp_path / 'missing'}: no such directory, "
+        "so launch/pd "
+        "cannot write its maintenance marks there"
+    )
+    checked = run_pd("env", "check", "--env-dir", str(env), "--monitoring")
+    assert checked.returncode == 1 and said in checked.stdout, checked.stdout
+    plain = run_pd("env", "check", "--env-dir", str(env))
+    assert "no such directory" not in plain.stdout, plain.stdout
+    out = tmp_path / "out"
+    done = run_pd("monitoring", "--env-dir", str(env), "--out", str(out))
+    assert done.returncode == 2 and said in done.stderr, done.stdout + done.stderr
+    assert "monitoring: nothing written" in done.stderr and not out.exists()
+
+
 def test_the_window_options_reach_the_rules(marked_env: Path, tmp_path: Path):
     out = tmp_path / "out"
-    args = ("monitoring", "--env-dir", str(marked_env), "--out", str(out))
+    args = ("monitoring", "--env-dir", str(marked_env), "--out", str(out), "--textfile-scraped")
     done = run_pd(
         *args, "--flap-window", "600", "--verify-stale-after", "7200", "--down-after", "90"
     )
