@@ -146,7 +146,10 @@ def windows(
     }
     inflight = _max_value(stack, "prefill", "SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT")
     waiting = _max_value(stack, "decode", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")
-    bootstrap = _max_value(stack, "decode", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")
+    # sglang 0.5.23 applies the bootstrap timeout on the sender only (common/conn.py sets
+    # bootstrap_timeout for a prefill KV manager, and the sender's poll fails the room): a
+    # decode room waits in the prealloc queue until its prefill gives up on it.
+    bootstrap = _max_value(stack, "prefill", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")
     return Windows(
         stuck=stuck,
         held=held,
@@ -333,7 +336,7 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             + (
                 f"monitoring's --queue-after ({_d(w.prealloc)})"
                 if w.queue_given
-                else f"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT + {_d(w.slack)}"
+                else f"prefill's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT + {_d(w.slack)}"
             )
             + f", and decode ran no decode step in that time ({STEP_TOKENS}).",
         ),

@@ -283,6 +283,27 @@ def test_a_textfile_dir_launch_pd_cannot_write_is_refused_naming_its_line(tmp_pa
     assert "monitoring: nothing written" in done.stderr and not out.exists()
 
 
+def test_the_prealloc_bound_is_prefills_bootstrap_timeout_not_decodes(tmp_path: Path):
+    """sglang 0.5.23 reads SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT only for a prefill KV
+    manager (common/conn.py: `self.bootstrap_timeout` is set in the PREFILL branch, and the
+    sender's poll fails a room still bootstrapping after it), so decode's value bounds nothing:
+    PDDecodePreallocQueueStuck waits prefill's 120 s + the 60 s slack, whatever decode's says."""
+    env = copy_env(tmp_path)
+    with (env / "prefill.env").open("a") as f:
+        f.write("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=120\n")
+    with (env / "decode.env").open("a") as f:
+        f.write("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=900\n")
+    out = tmp_path / "out"
+    done = run_pd("monitoring", "--env-dir", str(env), "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    prealloc = by_key(rules_of(out))[("PDDecodePreallocQueueStuck", None)]
+    assert limit(prealloc) == 180 and ranges(prealloc) == {180}
+    assert (
+        "longer than prefill's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT + 60s"
+        in prealloc["annotations"]["description"]
+    )
+
+
 def test_the_window_options_reach_the_rules(marked_env: Path, tmp_path: Path):
     out = tmp_path / "out"
     args = ("monitoring", "--env-dir", str(marked_env), "--out", str(out), "--textfile-scraped")
