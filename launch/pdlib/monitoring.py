@@ -217,6 +217,19 @@ def _sglang(name: str, selector: str) -> str:
     return f'{{__name__=~"sglang[:_]{name}",{selector}}}'
 
 
+def _over(fn: str, name: str, selector: str, window: str) -> str:
+    """fn (increase, rate) over a range of an sglang series under either spelling of its name,
+    each spelling in its own call, then combined. One call over both (`__name__=~`) fails with
+    "vector cannot contain metrics with the same labelset" for as long as the window holds a
+    series of each, which a target whose spelling changed (a Prometheus or prometheus_client
+    upgrade, a scrape-protocol change) has for one window: fn drops the name, and the two
+    results collide. Here, where both spellings have a result, their sum (each part counts the
+    change under its own name); else whichever has one. `window` is the range with brackets."""
+    colon = f"{fn}(sglang:{name}{{{selector}}}{window})"
+    under = f"{fn}(sglang_{name}{{{selector}}}{window})"
+    return f"({colon} + {under} or {colon} or {under})"
+
+
 def _sum0(metric: str, selector: str, by: str = "") -> str:
     """sum(metric), 0 where it has no series yet (sglang registers a gauge's series on its first
     publish)."""
@@ -270,7 +283,7 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
     progress = min(60.0, w.stuck)
     brief = 2 * w.scrape
     requests = f"(sum({_q('pd_queue_requests', engines)}) or vector(0))"
-    steps = f"(sum(increase({_q(STEP_TOKENS, engines)}[{_d(progress)}])) or vector(0))"
+    steps = f"(sum({_over('increase', STEP_TOKENS, engines, f'[{_d(progress)}]')}) or vector(0))"
     oldest = "pd_queue_oldest_seconds"
     out = [
         _alert(
@@ -326,7 +339,8 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             "PDDecodePreallocQueueStuck",
             f"{_q(oldest, decode, _queue('decode_prealloc'))} > {w.prealloc:g}\n"
             f"unless on(instance) (sum by (instance) "
-            f"(increase({_q(STEP_TOKENS, decode, _DECODE_MODE)}[{_d(w.prealloc)}])) > 0)",
+            f"{_over('increase', STEP_TOKENS, f'{decode},{_DECODE_MODE}', f'[{_d(w.prealloc)}]')}"
+            " > 0)",
             0,
             "critical",
             f"A decode room waits to be admitted while decode runs no step. Run: {verify}; then "
@@ -365,7 +379,7 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             f"{_q('pd_used_tokens', engines)} > 0\n"
             f"and on(instance) (sum by (instance) ({_q('pd_queue_requests', engines)}) == 0)\n"
             f"unless on(instance) (sum by (instance) "
-            f"(increase({_q(STEP_TOKENS, engines)}[{_d(w.held)}])) > 0)",
+            f"{_over('increase', STEP_TOKENS, engines, f'[{_d(w.held)}]')} > 0)",
             w.held,
             "warning",
             f"KV tokens still used after the traffic stopped. Run: {pd} metrics {env}; then "
@@ -375,7 +389,7 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             f"forward step for {_d(w.held)}.",
         ),
     ]
-    stage, idle = (f"increase({_sglang(m, engines)}[{_d(w.stalled)}])" for m in SCHEDULER_SECONDS)
+    stage, idle = (_over("increase", m, engines, f"[{_d(w.stalled)}]") for m in SCHEDULER_SECONDS)
     out.append(
         _alert(
             "PDSchedulerStalled",
@@ -629,7 +643,7 @@ def dashboard(stack: Stack) -> dict:
                     "Scheduler loop seconds per second (1 while it runs, 0 when it stands still)",
                     [
                         (
-                            f"sum by (pd_instance) (rate({_sglang(m, engines)}{rate}))",
+                            f"sum by (pd_instance) {_over('rate', m, engines, rate)}",
                             f"{{{{pd_instance}}}} {m.split('_')[1]}",
                         )
                         for m in SCHEDULER_SECONDS
@@ -639,7 +653,8 @@ def dashboard(stack: Stack) -> dict:
                     "Tokens per second, per forward step",
                     [
                         (
-                            f"sum by (pd_instance, mode) (rate({_q(STEP_TOKENS, engines)}{rate}))",
+                            "sum by (pd_instance, mode) "
+                            + _over("rate", STEP_TOKENS, engines, rate),
                             "{{pd_instance}} {{mode}}",
                         )
                     ],
@@ -674,7 +689,7 @@ def dashboard(stack: Stack) -> dict:
                     [
                         (
                             "histogram_quantile(0.95, sum by (le, pd_instance) "
-                            f"(rate({_q('kv_transfer_latency_ms_bucket', prefill)}{rate})))",
+                            f"{_over('rate', 'kv_transfer_latency_ms_bucket', prefill, rate)})",
                             "{{pd_instance}}",
                         )
                     ],

@@ -549,6 +549,22 @@ def engine(
     return out
 
 
+def switched_spelling(
+    eng: dict, name: str, labels: dict, steps: int, step: int, switch: int
+) -> list[dict]:
+    """One sglang counter whose sample name changes spelling at sample `switch` (sglang:NAME,
+    then sglang_NAME, as after an upgrade that changes the scrape protocol), climbing by `step`
+    per sample throughout: for a window across the change both series exist, with the same
+    labels once a range function drops their names."""
+    first = f"500+{step}x{switch - 1}"
+    second = f"{500 + step * switch}+{step}x{steps - switch}"
+    full = sg(eng) | labels
+    return [
+        series(f"sglang{COLON}{name}", full, f"{first} _x{steps - switch + 1}"),
+        series(f"sglang{OPENMETRICS}{name}", full, f"_x{switch} {second}"),
+    ]
+
+
 def mark(eng: dict, values: str) -> dict:
     """launch/pd's maintenance mark for one instance, as node_exporter serves it."""
     return series(MARK, TEXTFILE | {"stack": STACK, "pd_instance": eng["pd_instance"]}, values)
@@ -753,6 +769,23 @@ def rule_cases(rules: list[dict], health: dict[str, int]) -> list[dict]:
             + engine(DECODE2, steps, tokens=f"500+40x{steps}"),
             (alert, at, fired),
         ),
+        case(
+            "decode_prealloc: busy decode whose step counter's spelling changes mid-window "
+            "(a Prometheus or client upgrade) is silent",
+            engine(DECODE, steps, tokens=None, **stuck)
+            + switched_spelling(
+                DECODE, "realtime_tokens_total", {"mode": "decode"}, steps, 40, at // STEP_S - 2
+            ),
+            (alert, at, []),
+        ),
+        case(
+            "decode_prealloc: a flat step counter whose spelling changes mid-window still fires",
+            engine(DECODE, steps, tokens=None, **stuck)
+            + switched_spelling(
+                DECODE, "realtime_tokens_total", {"mode": "decode"}, steps, 0, at // STEP_S - 2
+            ),
+            (alert, at, fired),
+        ),
     ]
 
     # KV tokens still used after the traffic stopped.
@@ -833,6 +866,38 @@ def rule_cases(rules: list[dict], health: dict[str, int]) -> list[dict]:
             "stalled: a failing scrape is PDInstanceDown's",
             [series("up", DECODE, flat(0, steps))] + scheduler(DECODE, flat(500, steps)),
             (rule["alert"], at, []),
+        ),
+        case(
+            "stalled: a running scheduler whose counters change spelling mid-window is silent",
+            up
+            + switched_spelling(
+                DECODE, "scheduler_idle_seconds_total", {}, steps, 15, at // STEP_S - 2
+            )
+            + switched_spelling(
+                DECODE,
+                "scheduler_stage_seconds_total",
+                {"category": "idle", "forward_overlap": "none"},
+                steps,
+                15,
+                at // STEP_S - 2,
+            ),
+            (rule["alert"], at, []),
+        ),
+        case(
+            "stalled: a stopped one whose counters change spelling mid-window still fires",
+            up
+            + switched_spelling(
+                DECODE, "scheduler_idle_seconds_total", {}, steps, 0, at // STEP_S - 2
+            )
+            + switched_spelling(
+                DECODE,
+                "scheduler_stage_seconds_total",
+                {"category": "idle", "forward_overlap": "none"},
+                steps,
+                0,
+                at // STEP_S - 2,
+            ),
+            (rule["alert"], at, [expect(rule, sg(DECODE), "0")]),
         ),
     ]
 
@@ -1260,13 +1325,19 @@ def test_the_dashboard_is_whole_and_every_panel_queries_through_the_datasource_v
         for target in panel["targets"]:
             assert target["datasource"] == source
             assert monitoring.metric_names(target["expr"]), target["expr"]
-    # sglang's series, under either spelling (sglang[:_]NAME), follow the instance variable.
+    # sglang's series, under either spelling (sglang[:_]NAME, or each spelling in its own
+    # range function), follow the instance variable.
     engine_panels = [p for p in panels if any("sglang" in t["expr"] for t in p.get("targets", []))]
     assert len(engine_panels) >= 6
     for panel in engine_panels:
         for target in panel["targets"]:
-            assert "sglang[:_]" in target["expr"], target["expr"]
-            assert 'pd_instance=~"$pd_instance"' in target["expr"], target["expr"]
+            expr = target["expr"]
+            for name in monitoring.metric_names(expr):
+                if name.startswith("sglang:"):
+                    bare = name.removeprefix("sglang:")
+                    either = f"sglang[:_]{bare}" in expr
+                    assert either or f"sglang_{bare}{{" in expr, (name, expr)
+            assert 'pd_instance=~"$pd_instance"' in expr, expr
 
 
 def test_without_an_inflight_timeout_the_pinned_alert_says_nothing_bounds_the_room(tmp_path):
