@@ -64,6 +64,8 @@ QUARANTINE_AFTER_S = 360.0
 # prefill_cache, decode), where sglang:generation_tokens_total moves only when a request ends.
 STEP_TOKENS = "realtime_tokens_total"
 SCHEDULER_SECONDS = ("scheduler_stage_seconds_total", "scheduler_idle_seconds_total")
+# Patch 0025's count of PD queue gauge refreshes that failed (the gauges read NaN then).
+QUEUE_ERRORS = "pd_queue_metrics_errors_total"
 # Decode's KV quarantine (patch 0024): when the oldest room now in it entered, 0 when empty.
 QUARANTINE_SINCE = "decode_kv_quarantine_oldest_timestamp_seconds"
 METRIC_RE = re.compile(r"\b(sglang:[a-z0-9_:]+|smg_[a-z0-9_]+|sm120pd_[a-z0-9_]+|up)\b")
@@ -387,6 +389,17 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             "{{ $labels.pd_instance }} still uses {{ $value }} KV tokens (sglang:pd_used_tokens) "
             "although it holds no request, running, waiting or in a PD queue, and has run no "
             f"forward step for {_d(w.held)}.",
+        ),
+        _alert(
+            "PDQueueMetricsFailing",
+            f"{_over('increase', QUEUE_ERRORS, engines, f'[{_d(4 * w.scrape)}]')} > 0",
+            0,
+            "warning",
+            f"An engine's PD queue gauges are not refreshed. Run: {pd} logs INSTANCE; then {probe}",
+            "{{ $labels.pd_instance }} failed to refresh its PD queue gauges "
+            f"(sglang:{QUEUE_ERRORS}) in the last {_d(4 * w.scrape)}: they read NaN until a "
+            "refresh succeeds, so the queue alerts cannot see its rooms meanwhile. Its log "
+            "has the error (`PD queue metrics not refreshed`).",
         ),
     ]
     stage, idle = (_over("increase", m, engines, f"[{_d(w.stalled)}]") for m in SCHEDULER_SECONDS)

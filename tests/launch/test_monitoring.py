@@ -110,7 +110,7 @@ def test_monitoring_writes_the_files_and_promtool_accepts_them(rendered: Path):
     assert "SUCCESS: 1 rule files found" in checked.stdout
     linted = promtool("check", "rules", str(rendered / "rules.yml"))
     assert linted.returncode == 0, linted.stdout + linted.stderr
-    assert "SUCCESS: 19 rules found" in linted.stdout
+    assert "SUCCESS: 20 rules found" in linted.stdout
     config = yaml.safe_load((rendered / "prometheus.yml").read_text())
     jobs = {c["job_name"]: c for c in config["scrape_configs"]}
     assert set(jobs) == {f"sm120pd-cpu-{k}" for k in (*monitoring.ROLE_KINDS, "textfile")}
@@ -152,6 +152,7 @@ def test_windows_come_from_the_env_files(rendered: Path):
         # Its age grows by itself: no `for:`.
         ("PDDecodeKVQuarantined", None): 0,
         ("PDTokensHeldAfterTraffic", None): 300,
+        ("PDQueueMetricsFailing", None): 0,
         ("PDSchedulerStalled", None): 0,
         ("PDInstanceDown", "prefill"): 120,
         ("PDInstanceDown", "decode"): 120,
@@ -174,6 +175,8 @@ def test_windows_come_from_the_env_files(rendered: Path):
     # Progress: forward steps in the last minute (at most --stuck-after) and in --held-after.
     assert ranges(by[("PDRequestsStuckBeforeIdleEngines", None)]) == {60}
     assert ranges(by[("PDTokensHeldAfterTraffic", None)]) == {300}
+    # Four scrape intervals of the error counter.
+    assert ranges(by[("PDQueueMetricsFailing", None)]) == {60}
     # PDSchedulerStalled's wait is its range: --stalled-after's default.
     assert ranges(by[("PDSchedulerStalled", None)]) == {120}
     flapping = by[("PDInstanceFlapping", None)]
@@ -821,6 +824,32 @@ def rule_cases(rules: list[dict], health: dict[str, int]) -> list[dict]:
             "held: forward steps within the window",
             engine(PREFILL, steps, used=64, tokens=f"100+16x{steps}"),
             (alert, at, []),
+        ),
+    ]
+
+    # PD queue gauges whose refresh fails (patch 0025 counts each failure).
+    rule = by[("PDQueueMetricsFailing", None)]
+    alert = rule["alert"]
+    steps = 40
+    errors = "sglang{}pd_queue_metrics_errors_total"
+    # Failing from 150 s to 300 s (a failure per 15 s scrape), then refreshed again.
+    failing = f"0x10 1+1x10 {flat(11, steps - 20)}"
+    fired = [expect(rule, sg(DECODE), "4")]
+    cases += [
+        case(
+            "queue metrics: fires while decode's refreshes fail, resolves a window after",
+            [
+                series(errors.format(OPENMETRICS), sg(PREFILL), flat(0, steps)),
+                series(errors.format(OPENMETRICS), sg(DECODE), failing),
+            ],
+            (alert, 120, []),
+            (alert, 240, fired),
+            (alert, 300 + 60 + 15, []),
+        ),
+        case(
+            "queue metrics: fires under sglang's own spelling too",
+            [series(errors.format(COLON), sg(DECODE), failing)],
+            (alert, 240, fired),
         ),
     ]
 

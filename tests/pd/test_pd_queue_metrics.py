@@ -10,6 +10,7 @@ age grows, the alerts on it) is in tests/engine/test_cpu_engines.py.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from types import SimpleNamespace
 
@@ -108,14 +109,51 @@ def test_without_enable_metrics_nothing_is_published_and_nothing_is_asked_again(
     pd_queue_metrics.publish(sched, SimpleNamespace(num_running_reqs=1, num_used_tokens=1))
 
 
-def test_an_error_is_logged_once_and_never_reaches_the_schedulers_loop(caplog):
-    sched = scheduler(bootstrap=SimpleNamespace(queue=None), inflight=[])
-    with caplog.at_level(logging.WARNING, logger=pd_queue_metrics.__name__):
-        pd_queue_metrics.publish(sched, SimpleNamespace(num_running_reqs=0, num_used_tokens=0))
-        pd_queue_metrics.publish(sched, SimpleNamespace(num_running_reqs=0, num_used_tokens=0))
-    warned = [r for r in caplog.records if "PD queue metrics off" in r.getMessage()]
-    assert len(warned) == 1
-    assert sched._sm120pd_queue_metrics is None
+ERRORS = "sglang:pd_queue_metrics_errors_total"
+LOAD = SimpleNamespace(num_running_reqs=0, num_used_tokens=0)
+
+
+def test_a_failed_refresh_clears_the_gauges_counts_the_error_and_the_next_one_restores(caplog):
+    """A publish that raises (here a bootstrap queue that is no list) never reaches the
+    scheduler's loop: every gauge reads NaN instead of its last value, the error counter moves
+    once per failure, one warning covers the run of failures, and the next publish that works
+    refreshes every gauge again."""
+    ok = scheduler(bootstrap=SimpleNamespace(queue=[]), inflight=[], waiting=[1, 2])
+    pd_queue_metrics.publish(ok, LOAD)
+    assert value("sglang:pd_queue_requests", queue="waiting") == 2
+    errors = value(ERRORS) or 0.0
+    broken = scheduler(bootstrap=SimpleNamespace(queue=None), inflight=[])
+    broken._sm120pd_queue_metrics = ok._sm120pd_queue_metrics
+    with caplog.at_level(logging.INFO, logger=pd_queue_metrics.__name__):
+        pd_queue_metrics.publish(broken, LOAD)
+        pd_queue_metrics.publish(broken, LOAD)
+        for queue in pd_queue_metrics.COUNTED:
+            assert math.isnan(value("sglang:pd_queue_requests", queue=queue)), queue
+        for queue in pd_queue_metrics.AGED:
+            assert math.isnan(value("sglang:pd_queue_oldest_seconds", queue=queue)), queue
+        assert math.isnan(value("sglang:pd_used_tokens"))
+        assert value(ERRORS) == errors + 2
+        pd_queue_metrics.publish(ok, LOAD)
+    assert value("sglang:pd_queue_requests", queue="waiting") == 2
+    assert value("sglang:pd_used_tokens") == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "PD queue metrics not refreshed" in m]) == 1, said
+    assert "PD queue metrics refreshed again" in said
+
+
+def test_the_fault_point_fails_every_publish_while_its_file_exists(tmp_path, monkeypatch):
+    fault = tmp_path / "fault"
+    monkeypatch.setenv(pd_queue_metrics.FAULT_FILE, str(fault))
+    sched = scheduler(bootstrap=SimpleNamespace(queue=[]), inflight=[], waiting=[1])
+    pd_queue_metrics.publish(sched, LOAD)
+    errors = value(ERRORS) or 0.0
+    fault.touch()
+    pd_queue_metrics.publish(sched, LOAD)
+    assert value(ERRORS) == errors + 1
+    assert math.isnan(value("sglang:pd_queue_requests", queue="waiting"))
+    fault.unlink()
+    pd_queue_metrics.publish(sched, LOAD)
+    assert value("sglang:pd_queue_requests", queue="waiting") == 1 and value(ERRORS) == errors + 1
 
 
 @pytest.mark.parametrize("field", sorted(pd_queue_metrics.AGED.values()))

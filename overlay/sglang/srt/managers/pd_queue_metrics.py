@@ -19,12 +19,25 @@ series move exactly when /v1/loads does:
 - `sglang:pd_used_tokens`: KV tokens in use, as the snapshot counts them.
 
 Only the scheduler that writes the snapshot (rank 0 of its DP rank) publishes, and only with
-`--enable-metrics`. Any error is logged once and never reaches the scheduler's loop.
+`--enable-metrics`.
+
+A publish that fails never reaches the scheduler's loop. The gauges are `mostrecent`, so a
+publisher that stopped would leave its last values standing, and the queue alerts would fire
+forever or never. So a failure sets every gauge of the process to NaN (no comparison holds on
+it: the rules stay silent rather than wrong), adds one to
+`sglang:pd_queue_metrics_errors_total` (what `PDQueueMetricsFailing` reads), and is logged
+once per run of failures; the next publish tries again, and the first one that succeeds
+refreshes every gauge and logs that it did.
+
+`SM120PD_FAULT_PD_QUEUE_METRICS_FILE` is a named fault point for tests, off unless set: while
+the file it names exists, every publish fails.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from typing import Any
 
@@ -39,6 +52,7 @@ AGED = {
     "decode_transfer": "decode_transfer_queue_entry_time",
 }
 COUNTED = ("running", "waiting", *AGED, "decode_retracted")
+FAULT_FILE = "SM120PD_FAULT_PD_QUEUE_METRICS_FILE"
 
 
 class _Metrics:
@@ -46,10 +60,20 @@ class _Metrics:
     labels (created once per process: prometheus names are process-global)."""
 
     _families: tuple | None = None
+    _errors: Any = None
 
     def __init__(self, labels: dict):
         if _Metrics._families is None:
-            from prometheus_client import Gauge
+            from prometheus_client import Counter, Gauge
+
+            _Metrics._errors = Counter(
+                name="sglang:pd_queue_metrics_errors",
+                documentation=(
+                    "Times a refresh of the PD queue gauges failed (they read NaN until the "
+                    "next one succeeds)."
+                ),
+                labelnames=list(labels),
+            )
 
             names = [*labels, "queue"]
             _Metrics._families = (
@@ -82,6 +106,12 @@ class _Metrics:
         self.counts = {q: counts.labels(**labels, queue=q) for q in COUNTED}
         self.oldest = {q: oldest.labels(**labels, queue=q) for q in AGED}
         self.used = used.labels(**labels)
+        self.errors = _Metrics._errors.labels(**labels)
+        self.failing = False
+
+    def clear(self) -> None:
+        for gauge in (*self.counts.values(), *self.oldest.values(), self.used):
+            gauge.set(math.nan)
 
 
 def _queues(scheduler: Any) -> dict[str, list]:
@@ -107,28 +137,52 @@ def oldest_seconds(reqs: list, field: str, now: float) -> float:
     return max(0.0, now - min(stamps)) if stamps else 0.0
 
 
+def _refresh(metrics: _Metrics, scheduler: Any, load: Any) -> None:
+    fault = os.environ.get(FAULT_FILE)
+    if fault and os.path.exists(fault):
+        raise RuntimeError(f"fault point {FAULT_FILE}: {fault} exists")
+    queues = _queues(scheduler)
+    now = time.perf_counter()
+    metrics.counts["running"].set(load.num_running_reqs)
+    metrics.counts["waiting"].set(len(scheduler.waiting_queue))
+    for name in (*AGED, "decode_retracted"):
+        metrics.counts[name].set(len(queues.get(name, ())))
+    for name, field in AGED.items():
+        metrics.oldest[name].set(oldest_seconds(queues.get(name, []), field, now))
+    metrics.used.set(load.num_used_tokens)
+
+
 def publish(scheduler: Any, load: Any) -> None:
     """Set the series from the scheduler's queues and the snapshot it just wrote."""
     metrics = getattr(scheduler, "_sm120pd_queue_metrics", False)
     if metrics is None:
         return
-    try:
-        if metrics is False:
+    if metrics is False:
+        try:
             metrics = None
             if getattr(scheduler.metrics_reporter, "current_scheduler_metrics_enabled", False):
                 metrics = _Metrics(scheduler.metrics_collector.labels)
-            scheduler._sm120pd_queue_metrics = metrics
-            if metrics is None:
-                return
-        queues = _queues(scheduler)
-        now = time.perf_counter()
-        metrics.counts["running"].set(load.num_running_reqs)
-        metrics.counts["waiting"].set(len(scheduler.waiting_queue))
-        for name in (*AGED, "decode_retracted"):
-            metrics.counts[name].set(len(queues.get(name, ())))
-        for name, field in AGED.items():
-            metrics.oldest[name].set(oldest_seconds(queues.get(name, []), field, now))
-        metrics.used.set(load.num_used_tokens)
+        except Exception as exc:  # never the scheduler's loop
+            logger.warning("PD queue metrics off for this process: %s", exc, exc_info=True)
+        scheduler._sm120pd_queue_metrics = metrics
+        if metrics is None:
+            return
+    try:
+        _refresh(metrics, scheduler, load)
     except Exception as exc:  # never the scheduler's loop
-        scheduler._sm120pd_queue_metrics = None
-        logger.warning("PD queue metrics off for this process: %s", exc, exc_info=True)
+        try:
+            metrics.clear()
+            metrics.errors.inc()
+        except Exception:  # noqa: BLE001 - the registry itself failing: nothing left to say
+            pass
+        if not metrics.failing:
+            metrics.failing = True
+            logger.warning(
+                "PD queue metrics not refreshed (the gauges read NaN until one is): %s",
+                exc,
+                exc_info=True,
+            )
+        return
+    if metrics.failing:
+        metrics.failing = False
+        logger.info("PD queue metrics refreshed again")
