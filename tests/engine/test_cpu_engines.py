@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import re
 import signal
@@ -101,6 +102,8 @@ STACK_ARGS = {"prefill": "--chunked-prefill-size 128", "decode": "--max-total-to
 # deferred release and the quarantine, about 40 s) while a second request must still reach
 # decode through the router.
 STALL_BOUND = "SGLANG_HEALTH_SCHEDULER_STALL_S"
+# Patch 0025's fault point: while the file it names exists, every PD queue gauge refresh fails.
+QUEUE_METRICS_FAULT = "SM120PD_FAULT_PD_QUEUE_METRICS_FILE"
 STALL_BOUND_S = {"decode": 15, "prefill": 120}
 LONG_ROOM = {
     "input_ids": [2 + (7 * i) % 400 for i in range(2400)],
@@ -134,6 +137,7 @@ def cpu_stack(tmp_path_factory):
         common={
             maintenance.VARIABLE: str(tmp / "textfile"),
             POST_ERROR_FAULT: str(tmp / "fault"),
+            QUEUE_METRICS_FAULT: str(tmp / "queue-metrics-fault"),
         },
         args=STACK_ARGS,
         role_env={role: {STALL_BOUND: str(bound)} for role, bound in STALL_BOUND_S.items()},
@@ -554,6 +558,48 @@ def test_monitoring_reads_only_names_the_live_stack_exports(cpu_stack, prometheu
     print("alert:", json.dumps(absent, indent=1))
     assert "Job sm120pd-cpu-router has no target" in absent["annotations"]["description"]
     prometheus.wait_resolved("PDTargetsAbsent", 60, pd_role="router")
+
+
+def queue_gauges(stack, role: str) -> dict[str, float]:
+    """The engine's sglang:pd_queue_requests by queue, as its /metrics serves them."""
+    with stack.request(stack.url[role] + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return {
+        sample.labels["queue"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in ("sglang:pd_queue_requests", "sglang_pd_queue_requests")
+    }
+
+
+def test_a_failing_queue_gauge_refresh_reads_nan_and_fires_its_alert(cpu_stack, prometheus):
+    """Patch 0025's fault point on both engines: while its file exists every refresh of the PD
+    queue gauges fails. The gauges read NaN on each engine's /metrics instead of their last
+    values, PDQueueMetricsFailing fires for decode (and prefill), and the stack still serves.
+    The file removed, the next refresh sets numbers again and the alert resolves. Before, one
+    error switched the gauges off for the life of the process, their last values standing."""
+    fault = Path(envfiles.EnvDir(cpu_stack.env_dir).common()[QUEUE_METRICS_FAULT])
+    ready(cpu_stack)
+    assert queue_gauges(cpu_stack, "decode")["waiting"] == 0
+    fault.touch()
+    try:
+        fired = prometheus.wait_firing("PDQueueMetricsFailing", 60, pd_instance="decode")
+        failing = queue_gauges(cpu_stack, "decode")
+        served = cpu_stack.post("/generate", GREEDY)
+    finally:
+        fault.unlink(missing_ok=True)
+    print("alert:", json.dumps(fired, indent=1))
+    assert failing and all(math.isnan(v) for v in failing.values()), failing
+    assert len(served["output_ids"]) == 12
+    assert "PD queue metrics not refreshed" in cpu_stack.log("decode")
+    wait_for(
+        lambda: queue_gauges(cpu_stack, "decode")["waiting"] == 0,
+        30,
+        "decode's queue gauges refreshed again",
+        lambda: queue_gauges(cpu_stack, "decode"),
+    )
+    prometheus.wait_resolved("PDQueueMetricsFailing", 60, pd_instance="decode")
+    assert "PD queue metrics refreshed again" in cpu_stack.log("decode")
 
 
 def firing_value(alert: dict) -> float:
