@@ -395,7 +395,8 @@ def rules(stack: Stack, w: Windows, env_dir: Path) -> dict:
             f"{_over('increase', QUEUE_ERRORS, engines, f'[{_d(4 * w.scrape)}]')} > 0",
             0,
             "warning",
-            f"An engine's PD queue gauges are not refreshed. Run: {pd} logs INSTANCE; then {probe}",
+            "An engine's PD queue gauges are not refreshed. Run: "
+            f"{pd} logs {{{{ $labels.pd_instance }}}} {env}; then {probe}",
             "{{ $labels.pd_instance }} failed to refresh its PD queue gauges "
             f"(sglang:{QUEUE_ERRORS}) in the last {_d(4 * w.scrape)}: they read NaN until a "
             "refresh succeeds, so the queue alerts cannot see its rooms meanwhile. Its log "
