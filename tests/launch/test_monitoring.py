@@ -161,8 +161,9 @@ def test_windows_come_from_the_env_files(rendered: Path):
         ("PDTargetsAbsent", "decode"): 45,
         ("PDTargetsAbsent", "router"): 45,
         ("PDInstanceFlapping", None): 0,
-        ("PDInstanceNotRouted", "prefill"): 120 + rotation.ROUTER_TIMEOUT_S,
-        ("PDInstanceNotRouted", "decode"): 120 + rotation.ROUTER_TIMEOUT_S,
+        # The marked down window and the router's own timeout (120 s) on top.
+        ("PDInstanceNotRouted", "prefill"): 240,
+        ("PDInstanceNotRouted", "decode"): 240,
         ("PDKnobDrift", None): 30,
         ("PDVerifyCheckFailed", None): 30,
         ("PDVerifyStale", None): 45,
@@ -180,7 +181,7 @@ def test_windows_come_from_the_env_files(rendered: Path):
     # PDSchedulerStalled's wait is its range: --stalled-after's default.
     assert ranges(by[("PDSchedulerStalled", None)]) == {120}
     flapping = by[("PDInstanceFlapping", None)]
-    assert ranges(flapping) == {900} and limit(flapping) == monitoring.FLAP_CHANGES
+    assert ranges(flapping) == {900} and limit(flapping) == 4
     assert limit(by[("PDVerifyStale", None)]) == 3600
     assert by[("PDDecodeKVQuarantined", None)]["expr"] == (
         'time() - ({__name__=~"sglang[:_]decode_kv_quarantine_oldest_timestamp_seconds",'
@@ -211,7 +212,8 @@ def test_without_textfile_dir_instance_down_waits_the_health_timeout(tmp_path: P
         ("PDInstanceDown", "decode"): 300,
         ("PDInstanceDown", "router"): 120,
     }
-    unrouted = rotation.DRAIN_TIMEOUT_S + 300 + 2 * rotation.ROUTER_TIMEOUT_S
+    # rolling-restart's drain (600 s) + the health timeout + twice the router timeout (120 s).
+    unrouted = 600 + 300 + 2 * 120
     assert waits[("PDInstanceNotRouted", "prefill")] == unrouted
     assert waits[("PDInstanceNotRouted", "decode")] == unrouted
     for rule in rules:
@@ -573,25 +575,134 @@ def mark(eng: dict, values: str) -> dict:
     return series(MARK, TEXTFILE | {"stack": STACK, "pd_instance": eng["pd_instance"]}, values)
 
 
-def template(text: str, labels: dict, value: str) -> str:
-    """The rules' annotation templates, as Prometheus fills them in (the constructs they use)."""
-    text = re.sub(
-        r"\{\{ if \$labels\.(\w+) \}\}(.*?)\{\{ end \}\}",
-        lambda m: m.group(2) if labels.get(m.group(1)) else "",
-        text,
-    )
-    text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels.get(m.group(1), ""), text)
-    text = text.replace('{{ printf "%.0f" $value }}', f"{float(value):.0f}")
-    return text.replace("{{ $value }}", value)
+# What each alert must say, written out for the rules `rendered` makes (env/cpu's copy with
+# marks, monitoring's default windows; env/cpu's health timeouts), not read from the rules:
+# {root} and {env} are the checkout and the env dir, {value} the alert's value as Prometheus
+# prints it, {value0} the same rounded to a whole number, the rest the alert's labels.
+RUN = "{root}/launch/pd"
+TRIAGE = "{root}/bench/triage --env-dir {env}"
+ANNOTATIONS = {
+    "PDRequestsStuckBeforeIdleEngines": (
+        f"Requests held by the router, engines idle. Run: {TRIAGE}",
+        "The router has had {value} call(s) out to its engines (a PD request makes one to a "
+        "prefill and one to a decode) for 120s while every engine held no request, running, "
+        "waiting or in a PD queue (sglang:pd_queue_requests, refreshed with its load snapshot), "
+        "and ran no forward step (realtime_tokens_total did not move), all engines answering "
+        "their scrapes.",
+    ),
+    "PDPrefillKVPinned": (
+        "A prefill room holds its KV past the inflight timeout. Run: "
+        f"{RUN} verify --env-dir {{env}}; then {TRIAGE}",
+        "{pd_instance}'s oldest room in the inflight queue (its KV sent or being sent, waiting "
+        "for decode to conclude) has waited {value0} s: longer than "
+        "SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT + 60s, which should have failed it and "
+        "released its KV.",
+    ),
+    "PDDecodeTransferQueueStuck": (
+        "A decode room waits for its KV past the waiting timeout. Run: "
+        f"{RUN} verify --env-dir {{env}}; then {TRIAGE}",
+        "{pd_instance}'s oldest room in the transfer queue has waited {value0} s for its KV: "
+        "longer than SGLANG_DISAGGREGATION_WAITING_TIMEOUT + 60s, which should have failed it.",
+    ),
+    "PDDecodePreallocQueueStuck": (
+        "A decode room waits to be admitted while decode runs no step. Run: "
+        f"{RUN} verify --env-dir {{env}}; then {TRIAGE}",
+        "{pd_instance}'s oldest room in the prealloc queue has waited {value0} s to bootstrap "
+        "or for KV space, longer than prefill's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT + 60s, "
+        "and decode ran no decode step in that time (realtime_tokens_total).",
+    ),
+    "PDTokensHeldAfterTraffic": (
+        f"KV tokens still used after the traffic stopped. Run: {RUN} metrics --env-dir {{env}}; "
+        f"then {RUN} probe --env-dir {{env}}",
+        "{pd_instance} still uses {value} KV tokens (sglang:pd_used_tokens) although it holds "
+        "no request, running, waiting or in a PD queue, and has run no forward step for 300s.",
+    ),
+    "PDQueueMetricsFailing": (
+        f"An engine's PD queue gauges are not refreshed. Run: {RUN} logs {{pd_instance}} "
+        f"--env-dir {{env}}; then {RUN} probe --env-dir {{env}}",
+        "{pd_instance} failed to refresh its PD queue gauges "
+        "(sglang:pd_queue_metrics_errors_total) in the last 60s: they read NaN until a refresh "
+        "succeeds, so the queue alerts cannot see its rooms meanwhile. Its log has the error "
+        "(`PD queue metrics not refreshed`).",
+    ),
+    "PDSchedulerStalled": (
+        f"An engine's scheduler stands still while its HTTP server answers. Run: {TRIAGE}; "
+        f"then {RUN} probe --env-dir {{env}}",
+        "{pd_instance} ({instance}) answers its scrape, and its scheduler has added no idle or "
+        "stage time (sglang:scheduler_idle_seconds_total, sglang:scheduler_stage_seconds_total) "
+        "for 120s: a running scheduler adds to them every second, busy or idle. Its /health "
+        "answers 503 once its load snapshot is older than SGLANG_HEALTH_SCHEDULER_STALL_S (patch "
+        "0033), and the router then stops routing to it; with that check off, /health keeps "
+        "passing.",
+    ),
+    "PDInstanceDown": (
+        f"A {{pd_role}} instance does not answer its scrape. Run: {RUN} status --env-dir {{env}}; "
+        f"then {RUN} logs {{pd_instance}} --env-dir {{env}}",
+        "{pd_instance} ({instance}) has not answered Prometheus for 120s, with no maintenance "
+        "mark from launch/pd.",
+    ),
+    "PDTargetsAbsent": (
+        f"Prometheus has no {{pd_role}} target for this stack. Run: {RUN} monitoring --env-dir "
+        "{env} --out DIR --force, and compare DIR/targets with the files Prometheus reads",
+        "Job sm120pd-cpu-{pd_role} has no target: its file_sd file is missing or empty, so "
+        "nothing about the {pd_role} instances can alert.",
+    ),
+    "PDInstanceFlapping": (
+        f"An instance keeps going down and coming back. Run: {RUN} status --env-dir {{env}}; "
+        f"then {RUN} logs {{pd_instance}} --env-dir {{env}}",
+        "{pd_instance} ({instance}) changed between answering and not answering its scrape "
+        "{value} times in 900s, none of it under a maintenance mark: a crash loop can answer "
+        "one scrape per cycle and never stay down long enough for PDInstanceDown.",
+    ),
+    "PDInstanceNotRouted": (
+        f"An engine answers, but the router does not route to it. Run: {RUN} probe --env-dir "
+        "{env}",
+        "{pd_instance} ({worker}) answers its scrape, and the router has not listed it as a "
+        "healthy worker for 240s, with no maintenance mark from launch/pd.",
+    ),
+    "PDKnobDrift": (
+        "A knob or the build in a live process differs from the env files. Run: "
+        f"{RUN} verify --env-dir {{env}}",
+        "The last launch/pd verify --textfile failed its {layer} check{of_instance}"
+        "{for_variable}: the live process or the installed build is not what the env files and "
+        "this checkout say.",
+    ),
+    "PDVerifyCheckFailed": (
+        "launch/pd verify could not pass a health, listen or access check. Run: "
+        f"{RUN} verify --env-dir {{env}}",
+        "The last launch/pd verify --textfile failed its {layer} check of {pd_instance}: an "
+        "instance that does not answer, a port on an address the env files do not name, or a "
+        "process whose environment it could not read.",
+    ),
+    "PDVerifyStale": (
+        f"No recent launch/pd verify result for this stack. Run: {RUN} verify --env-dir {{env}} "
+        "--textfile, and check its cron job or timer",
+        "The newest verify result Prometheus has for sm120pd-cpu is older than 3600s, or there "
+        "is none: PDKnobDrift cannot fire on results that do not arrive.",
+    ),
+}
 
 
-def expect(rule: dict, labels: dict, value: str) -> dict:
+def expect_in(rule: dict, labels: dict, value: str, env: Path) -> dict:
     """The alert promtool must see: the series' labels (without the name, without empty ones),
-    the rule's labels, and its annotations filled in."""
+    the rule's labels, and its annotations as ANNOTATIONS writes them."""
     full = {k: v for k, v in labels.items() if v != ""} | rule["labels"]
+    fill = {"pd_instance": "", "instance": "", "worker": "", "layer": "", "pd_role": ""} | full
+    fill |= {
+        "root": str(ROOT),
+        "env": str(env),
+        "value": value,
+        "value0": f"{float(value):.0f}",
+        "of_instance": f" of {full['pd_instance']}" if full.get("pd_instance") else "",
+        "for_variable": f" for {full['variable']}" if full.get("variable") else "",
+    }
+    summary, description = ANNOTATIONS[rule["alert"]]
     return {
         "exp_labels": full,
-        "exp_annotations": {k: template(v, full, value) for k, v in rule["annotations"].items()},
+        "exp_annotations": {
+            "summary": summary.format(**fill),
+            "description": description.format(**fill),
+        },
     }
 
 
@@ -621,7 +732,10 @@ def changes(values: list[float], index: int, window: int) -> int:
     return counts.pop()
 
 
-def rule_cases(rules: list[dict], health: dict[str, int]) -> list[dict]:
+def rule_cases(rules: list[dict], health: dict[str, int], env: Path) -> list[dict]:
+    def expect(rule: dict, labels: dict, value: str) -> dict:
+        return expect_in(rule, labels, value, env)
+
     by = by_key(rules)
     cases = []
 
@@ -993,7 +1107,7 @@ def rule_cases(rules: list[dict], health: dict[str, int]) -> list[dict]:
     loop = [1.0] * 40 + ([0.0] * 6 + [1.0]) * 12
     index = 40 + 7 * 10 - 1  # the last down sample of the tenth cycle
     value = changes(loop, index, window)
-    assert value >= monitoring.FLAP_CHANGES
+    assert value >= 4
     healthy = [series("up", e, flat(1, len(loop))) for e in (PREFILL, ROUTER)]
     in_service = [mark(e, flat(0, len(loop))) for e in (PREFILL, DECODE, ROUTER)]
     cases.append(
@@ -1286,7 +1400,7 @@ def test_every_alert_fires_on_its_failing_series_and_not_on_healthy_ones(
     rendered: Path, marked_env: Path, tmp_path: Path
 ):
     rules = rules_of(rendered)
-    cases = rule_cases(rules, health_timeouts(marked_env))
+    cases = rule_cases(rules, health_timeouts(marked_env), marked_env.resolve())
     cases += quarantine_cases(marked_env.resolve())
     names = [c["name"] for c in cases]
     assert len(names) == len(set(names)), Counter(names)
@@ -1383,7 +1497,7 @@ def test_without_an_inflight_timeout_the_pinned_alert_says_nothing_bounds_the_ro
     out = tmp_path / "out"
     done = run_pd("monitoring", "--env-dir", str(env), "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
-    window = monitoring.UNBOUNDED_INFLIGHT_S + 60
+    window = 600 + 60  # no inflight timeout: the alert waits 600 s, + the slack
     assert (
         "note: SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT is not set for prefill; "
         f"PDPrefillKVPinned waits {window:g} s"
