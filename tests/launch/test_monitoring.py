@@ -193,6 +193,18 @@ def test_windows_come_from_the_env_files(rendered: Path):
         assert ("sm120pd_maintenance_until_timestamp_seconds" in rule["expr"]) == marked, key
 
 
+def health_timeout_waits(rules: list[dict]) -> dict:
+    """Each rule's wait, after checking that PDInstanceDown waits env/cpu's health timeouts
+    (prefill 300 s, decode 300 s, router 120 s): the windows without marks."""
+    waits = {(r["alert"], r["labels"].get("pd_role")): seconds(r["for"]) for r in rules}
+    assert {k: v for k, v in waits.items() if k[0] == "PDInstanceDown"} == {
+        ("PDInstanceDown", "prefill"): 300,
+        ("PDInstanceDown", "decode"): 300,
+        ("PDInstanceDown", "router"): 120,
+    }
+    return waits
+
+
 def test_without_textfile_dir_instance_down_waits_the_health_timeout(tmp_path: Path):
     """env/cpu as shipped sets no PD_TEXTFILE_DIR: launch/pd writes no marks, so the rules read
     none, PDInstanceDown waits each role's health timeout (300/300/120 s), PDInstanceNotRouted
@@ -206,12 +218,7 @@ def test_without_textfile_dir_instance_down_waits_the_health_timeout(tmp_path: P
         "router 120 s) instead of 120 s"
     ) in done.stdout
     rules = rules_of(out)
-    waits = {(r["alert"], r["labels"].get("pd_role")): seconds(r["for"]) for r in rules}
-    assert {k: v for k, v in waits.items() if k[0] == "PDInstanceDown"} == {
-        ("PDInstanceDown", "prefill"): 300,
-        ("PDInstanceDown", "decode"): 300,
-        ("PDInstanceDown", "router"): 120,
-    }
+    waits = health_timeout_waits(rules)
     # rolling-restart's drain (600 s) + the health timeout + twice the router timeout (120 s).
     unrouted = 600 + 300 + 2 * 120
     assert waits[("PDInstanceNotRouted", "prefill")] == unrouted
@@ -243,12 +250,7 @@ def test_marks_nothing_scrapes_hold_no_alert_back_and_verify_stale_is_not_render
         "is not rendered"
     ) in done.stdout
     rules = rules_of(out)
-    waits = {(r["alert"], r["labels"].get("pd_role")): seconds(r["for"]) for r in rules}
-    assert {k: v for k, v in waits.items() if k[0] == "PDInstanceDown"} == {
-        ("PDInstanceDown", "prefill"): 300,
-        ("PDInstanceDown", "decode"): 300,
-        ("PDInstanceDown", "router"): 120,
-    }
+    health_timeout_waits(rules)
     assert not [r for r in rules if "maintenance" in r["expr"]]
     assert "PDVerifyStale" not in {r["alert"] for r in rules}
     scraped = tmp_path / "scraped"
