@@ -986,6 +986,17 @@ def rule_cases(rules: list[dict], health: dict[str, int], env: Path) -> list[dic
             series(stage, labels | {"category": "run_batch", "forward_overlap": "none"}, "3x99"),
         ]
 
+    def switched_scheduler(step: int) -> list[dict]:
+        """Decode's two counters (idle, and the idle stage) changing spelling 30 s before `at`,
+        inside the window, each adding `step` per sample throughout."""
+        idle_stage = {"category": "idle", "forward_overlap": "none"}
+        switch = at // STEP_S - 2
+        return switched_spelling(
+            DECODE, "scheduler_idle_seconds_total", {}, steps, step, switch
+        ) + switched_spelling(
+            DECODE, "scheduler_stage_seconds_total", idle_stage, steps, step, switch
+        )
+
     running = f"0+15x{steps}"
     up = [series("up", PREFILL, flat(1, steps)), series("up", DECODE, flat(1, steps))]
     stopped = [expect(rule, sg(DECODE), "0")]
@@ -1014,34 +1025,12 @@ def rule_cases(rules: list[dict], health: dict[str, int], env: Path) -> list[dic
         ),
         case(
             "stalled: a running scheduler whose counters change spelling mid-window is silent",
-            up
-            + switched_spelling(
-                DECODE, "scheduler_idle_seconds_total", {}, steps, 15, at // STEP_S - 2
-            )
-            + switched_spelling(
-                DECODE,
-                "scheduler_stage_seconds_total",
-                {"category": "idle", "forward_overlap": "none"},
-                steps,
-                15,
-                at // STEP_S - 2,
-            ),
+            up + switched_scheduler(15),
             (rule["alert"], at, []),
         ),
         case(
             "stalled: a stopped one whose counters change spelling mid-window still fires",
-            up
-            + switched_spelling(
-                DECODE, "scheduler_idle_seconds_total", {}, steps, 0, at // STEP_S - 2
-            )
-            + switched_spelling(
-                DECODE,
-                "scheduler_stage_seconds_total",
-                {"category": "idle", "forward_overlap": "none"},
-                steps,
-                0,
-                at // STEP_S - 2,
-            ),
+            up + switched_scheduler(0),
             (rule["alert"], at, [expect(rule, sg(DECODE), "0")]),
         ),
     ]
