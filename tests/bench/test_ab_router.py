@@ -1,7 +1,13 @@
 """bench/ab records the router's own decisions: on the sim stack with the real smg router, at a
 concurrency above decode's running window, each run's JSON and report.md carry smg's counts,
-whose names are checked against the installed smg (its live /metrics and its binary). Arms whose
-routers would run with different settings are refused before anything starts."""
+whose names are checked against the installed smg (its live /metrics and its binary). A router
+made to shed for real (overload thresholds at one waiting request) shows each shed in the run it
+happened in, equal to the errors that run's clients saw and, summed, to smg's own total. Arms
+whose routers would run with different settings are refused before anything starts.
+
+smg's PD admission window (`smg_pd_admission_waits_total`, `smg_pd_admission_sheds_total`) gates
+gRPC PD dispatches only (smg's docs, "PD Decode Admission Window"; smg_pd_admission_window reads
+2 here and no dispatch ever waits): on these HTTP stacks those two stay at 0."""
 
 from __future__ import annotations
 
@@ -116,6 +122,43 @@ def test_router_counts_above_decodes_window_are_in_the_trial_json_and_report(tmp
     assert "adm. waits" in header and "retries" in header and "CB transitions" in header
     assert sum(ln.startswith(f"| {CONCURRENCY} | ") for ln in lines) == 4 + 2  # + the C tables
     assert "### Runs in which the router shed" not in report
+
+
+def _live_sheds(metrics_url: str) -> float:
+    """smg's own count of overload sheds at selection, from its /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "smg_worker_overload_shed_total" and s.labels["stage"] == "selection":
+                return s.value
+    raise AssertionError(f"no selection-stage overload shed count on smg's /metrics:\n{text}")
+
+
+def test_an_arm_whose_router_sheds_shows_each_shed_in_its_runs(tmp_path):
+    """smg made to shed for real: decode's queue at or above one waiting request counts as
+    overloaded (`--worker-overload-waiting-requests 1 --worker-overload-shed`), and 4 x C
+    requests at C=16 against a running window of 2 fill that queue by smg's first load poll.
+    Each run's shed count must equal the errors its own clients saw, and their sum smg's own
+    /metrics total over the A/B; the report names the runs."""
+    shedding = ROUTER_ARGS + " --worker-overload-waiting-requests 1 --worker-overload-shed"
+    with _stack(tmp_path, shedding) as (router, metrics):
+        before = _live_sheds(metrics)
+        result = _ab(router, metrics, tmp_path / "ab", "--trials", "1", "--requests-per-c", "4",
+                     "--warmup", "0")  # fmt: skip
+        after = _live_sheds(metrics)
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = json.loads((tmp_path / "ab" / "summary.json").read_text())["runs"]
+    assert len(runs) == 2
+    for run in runs:
+        counts = run["router"]["counts"]
+        assert run["errors"] > 0, run
+        assert counts["overload_sheds"] == run["errors"], (counts, run["errors"])
+        assert counts[router_counters.HTTP_ERRORS] == run["errors"], counts
+        assert counts["retries"] == 0  # a shed is never retried by smg
+    assert sum(r["router"]["counts"]["overload_sheds"] for r in runs) == after - before > 0
+    report = (tmp_path / "ab" / "report.md").read_text()
+    assert "### Runs in which the router shed" in report, report
 
 
 def test_arms_whose_routers_would_differ_are_refused_naming_the_flag(tmp_path):
