@@ -69,45 +69,76 @@ ENTRY_MIN_COS = 0.995
 # sglang vs transformers with FP8-quantized KV: bf16 weights and activations in sglang against
 # float32 in transformers, over every layer.
 HF_MIN_COS = 0.999
-# A token whose top-k expert choice differs between sglang (bf16) and transformers (float32) is
-# a router near-tie when transformers scores its own pick at most this much above sglang's
-# (router scores, sqrtsoftplus of the logits plus the correction bias: O(1) values, computed
-# by sglang from bf16 activations). Such a token is then routed to sglang's experts in the
-# transformers reference too; a wider flip means the router's inputs differ (an error upstream
-# of that layer's MoE) and fails the check.
-ROUTER_TIE_MAX = 0.05
+# Top-k routing. Every run takes one expert choice per token (sglang's first run's; see main),
+# and each router's own scores are checked against it. Router scores here are the ranking
+# scores: sqrtsoftplus of the router logits plus the correction bias, O(1) values that sglang
+# computes from bf16 activations. Both bounds are set from measured runs on five top-k models
+# and seeds (bench/README.md, "Top-k routing"), about 1.5 times the largest value seen:
+# - a token whose router would have picked other experts is a near-tie when its own pick ranks
+#   at most this much above the experts it takes (measured at most 0.024 against transformers
+#   with FP8 KV, 0.012 between two sglang runs); a wider flip fails: the router's inputs differ.
+ROUTER_TIE_MAX = 0.035
+# - every token's scores, sglang's first run against transformers (FP8 KV), per top-k layer:
+#   at most this far apart (measured at most 0.032); a router whose inputs or weights differ on
+#   any token fails here even where no choice flips.
+ROUTER_SCORE_MAX_DIFF = 0.05
 
 
-def aligned_routing(model: Path, tokens: list[int], routes: dict, positions: range):
-    """transformers' reference routed like sglang where the two routers are near-tied.
-
-    Forcing one near-tie changes what the later layers see, so this repeats until no new
-    near-tie appears (at most one pass per layer). Returns (forced, wide): the near-tie flips
-    the reference now follows, and the flips wider than ROUTER_TIE_MAX left, which fail."""
-    force: set = set()
-    forced: list[dict] = []
-    new: list[dict] = []
-    for _ in range(len(routes) + 1):
-        flips: list[dict] = []
-        transformers_logits(model, tokens, positions, fp8_kv=False, routes=routes,
-                            force=force, flips=flips)  # fmt: skip
-        new = [f for f in flips if (f["layer"], f["token"]) not in force]
-        ties = [f for f in new if f["margin"] <= ROUTER_TIE_MAX]
-        if not ties:
-            return forced, new
-        # The earliest layer's ties first: a later layer's may be their consequence.
-        first = min(f["layer"] for f in ties)
-        ties = [f for f in ties if f["layer"] == first]
-        forced += ties
-        force |= {(f["layer"], f["token"]) for f in ties}
-    return forced, [f for f in new if (f["layer"], f["token"]) not in force]
+def route_flip(ranked, mine: set, theirs: set, layer: int, token: int) -> dict:
+    """One token whose router picked `mine` where the reference took `theirs`: its margin is
+    how much higher this router ranks the experts it picked than those it was made to take."""
+    margin = (ranked[sorted(mine - theirs)].min() - ranked[sorted(theirs - mine)].max()).item()
+    return {"layer": layer, "token": token, "own": sorted(mine), "reference": sorted(theirs),
+            "margin": margin}  # fmt: skip
 
 
-def same_routes(a: dict, b: dict) -> bool:
-    """Two runs' expert choices ({layer: [tokens, k] tensor}) are the same everywhere."""
+def router_ranking(config, logits):
+    """(scores, ranked) of one sglang top-k router, as its TopKConfig scores them: the score
+    function of the logits (the weights' source) and those plus the correction bias (the
+    choice's)."""
     import torch
 
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    logits = logits.float()
+    func = config.scoring_func
+    if func == "sqrtsoftplus":
+        scores = torch.nn.functional.softplus(logits).sqrt()
+    elif func == "sigmoid":
+        scores = logits.sigmoid()
+    elif func == "softmax":
+        scores = logits.softmax(-1)
+    else:
+        raise BadInput(f"router scoring function {func!r}: the routing replay does not know it")
+    bias = config.correction_bias
+    return scores, scores if bias is None else scores + bias.float().view(1, -1)
+
+
+def replayed(out, want, ranked, config, layer: int, start: int, flips: list):
+    """sglang's top-k output `out` with each token's experts replaced by the reference's
+    (`want`, [tokens, k]) where they differ, weighted by this router's own scores as it weights
+    any choice (renormalized to the same sum, or scaled by the same factor); each replaced token
+    is appended to `flips`."""
+    import torch
+
+    scores, ranks = ranked
+    experts = scores.shape[1]
+    ids, weights = out.topk_ids.clone(), out.topk_weights.clone()
+    for t in range(ids.shape[0]):
+        mine = {e for e in ids[t].tolist() if e < experts}  # shared-expert slots stay
+        theirs = {e for e in want[t].tolist() if e < experts}
+        if mine == theirs:
+            continue
+        flips.append(route_flip(ranks[t], mine, theirs, layer, start + t))
+        cols = torch.tensor([c for c, e in enumerate(ids[t].tolist()) if e < experts])
+        new = torch.tensor(sorted(theirs))
+        old_w, old_s = weights[t, cols].float(), scores[t, ids[t, cols].long()]
+        new_s = scores[t, new]
+        if config.renormalize:
+            new_w = new_s / new_s.sum() * old_w.sum()
+        else:
+            new_w = new_s * (old_w.sum() / old_s.sum())
+        ids[t, cols] = new.to(ids.dtype)
+        weights[t, cols] = new_w.to(weights.dtype)
+    return out._replace(topk_ids=ids, topk_weights=weights)
 
 
 class BadInput(Exception):
@@ -214,10 +245,15 @@ class KernelSpy:
         self._count_interpreted_kernels()
         self._record_compressed_entries()
 
-    def record_routing(self, model) -> None:
-        """Note each MoE layer's expert choice per token (its top-k module's output), for the
-        routing comparison with transformers (`routing_flips`)."""
+    def record_routing(self, model, replay: dict | None = None) -> None:
+        """Note each MoE layer's expert choice per token (its top-k module's output) and its
+        router scores; with `replay` (a reference run's choice, {layer: [tokens, k]}), take
+        the reference's experts wherever this run's router picked others, each such token
+        noted in `flips` with this run's margin for its own pick (`route_flip`)."""
         self._routes: dict[int, list] = {}
+        self._scores: dict[int, list] = {}
+        self.flips: list[dict] = []
+        cursor: dict[int, int] = {}
         for i, layer in enumerate(model.model.layers):
             topk = getattr(getattr(layer, "mlp", None), "topk", None)
             if topk is None:
@@ -225,8 +261,19 @@ class KernelSpy:
 
             def hook(module, args, out, i=i):
                 ids = getattr(out, "topk_ids", None)
-                if ids is not None:
-                    self._routes.setdefault(i, []).append(ids.detach().long().cpu().clone())
+                if ids is None:
+                    return None
+                config = getattr(module, "topk_config", None)  # None: a hash layer
+                scored = None if config is None else router_ranking(config, out.router_logits)
+                start = cursor.get(i, 0)
+                cursor[i] = start + ids.shape[0]
+                if replay is not None and i in replay and scored is not None:
+                    want = replay[i][start : cursor[i]]
+                    out = replayed(out, want, scored, config, i, start, self.flips)
+                self._routes.setdefault(i, []).append(out.topk_ids.detach().long().cpu().clone())
+                if scored is not None:
+                    self._scores.setdefault(i, []).append(scored[1].detach().cpu())
+                return out
 
             topk.register_forward_hook(hook)
 
@@ -235,6 +282,13 @@ class KernelSpy:
         import torch
 
         return {i: torch.cat(ids) for i, ids in getattr(self, "_routes", {}).items()}
+
+    def router_scores(self) -> dict:
+        """{layer: [tokens, experts]}: each top-k router's ranking scores (its score function
+        of the logits plus the correction bias), in the order the tokens were fed."""
+        import torch
+
+        return {i: torch.cat(s) for i, s in getattr(self, "_scores", {}).items()}
 
     def _record_compressed_entries(self) -> None:
         """Note where each compressing layer stores each compressed entry (main KV and the
@@ -496,7 +550,8 @@ def _rank(server_args, port_args, bench_args, gpu_id, tp_rank):
             os._exit(3)
         runner, _ = ob.load_model(server_args, port_args, gpu_id, tp_rank)
         spy.install()
-        spy.record_routing(runner.torch_runner.model)
+        replay = torch.load(job["replay"]) if job.get("replay") else None
+        spy.record_routing(runner.torch_runner.model, replay)
         if job.get("perturb"):  # fault injection (tests): noise on one weight, sglang only
             _perturb(runner.torch_runner.model, job["perturb"])
         reqs = ob.prepare_synthetic_inputs_for_latency_test(1, len(ids), custom_inputs=[ids])
@@ -517,6 +572,8 @@ def _rank(server_args, port_args, bench_args, gpu_id, tp_rank):
         "calls": spy.calls,
         "entries": entries,
         "routes": spy.routes(),
+        "router_scores": spy.router_scores(),
+        "route_flips": spy.flips,
         "triton": spy.triton,
         "seconds": time.monotonic() - t0,
     }
@@ -596,6 +653,7 @@ def worker(args: argparse.Namespace) -> int:
             "out": args.out,
             "kill_rank": args.kill_rank,
             "perturb": args.perturb,
+            "replay": args.replay,
         }
     )
     if args.tp > 1:
@@ -647,9 +705,12 @@ def run_backend(
     tp: int = 1,
     kill_rank: int | None = None,
     perturb: str | None = None,
+    replay: Path | None = None,
 ) -> list[dict]:
     """One backend's run at TP `tp` in a fresh process (and its ranks' processes): each rank's
-    result, rank 0 first. The whole process group is killed on a timeout or a failure."""
+    result, rank 0 first. With `replay` (a file of a reference run's expert choices), its
+    top-k routers take those experts (`KernelSpy.record_routing`). The whole process group is
+    killed on a timeout or a failure."""
     import signal
 
     env = {**os.environ, **CPU_ENV, "SGLANG_SM120_FLASHMLA_BACKEND": backend}
@@ -666,6 +727,8 @@ def run_backend(
         cmd += ["--kill-rank", str(kill_rank)]
     if perturb:
         cmd += ["--perturb", perturb]
+    if replay is not None:
+        cmd += ["--replay", str(replay)]
     name = backend if tp == 1 else f"{backend} TP{tp}"
     t0 = time.monotonic()
     proc = subprocess.Popen(
@@ -702,19 +765,18 @@ def run_backend(
 
 def transformers_logits(
     model: Path, tokens: list[int], positions: range, fp8_kv: bool, entries: dict | None = None,
-    routes: dict | None = None, force: set | None = None, flips: list | None = None,
+    routes: dict | None = None, flips: list | None = None, scores: dict | None = None,
 ):  # fmt: skip
     """Logits at `positions` of transformers' DSV4 on `tokens`, float32; with fp8_kv the
     attention's KV nope part is quantized to FP8 e4m3 with UE8M0 tile scales, as sglang's pool
     stores it (the rope part stays bf16-exact in float32 here). With `entries` (a dict), each
     compressing layer's compressed entries land there, keyed as KernelSpy.entries keys them.
 
-    With `routes` (sglang's expert choice, {layer: [tokens, k]}), every top-k router's own
-    choice is compared with sglang's: each (layer, token) where they differ is appended to
-    `flips` with transformers' margin for its pick (how much higher transformers scores the
-    experts it picked than the ones sglang picked instead); for the (layer, token) pairs in
-    `force`, transformers takes sglang's experts, weighted by its own scores as its router
-    weights any choice."""
+    With `routes` (sglang's expert choice, {layer: [tokens, k]}), every top-k router takes
+    sglang's experts: where its own choice differs, the token is appended to `flips` with its
+    margin for its own pick (`route_flip`), and it takes sglang's experts weighted by its own
+    scores as its router weights any choice. `scores` (a dict) receives each such router's
+    ranking scores, {layer: [tokens, experts]}."""
     import torch
     from transformers import DeepseekV4ForCausalLM
 
@@ -728,29 +790,23 @@ def transformers_logits(
 
             def route(m, args, out, i=i):
                 logits, weights, idx = out
-                scores = m.score_fn(logits)
-                ranked = scores + m.e_score_correction_bias
+                own = m.score_fn(logits)
+                ranked = own + m.e_score_correction_bias
+                if scores is not None:
+                    scores[i] = ranked.detach().float()
                 sg = routes[i][: idx.shape[0]]
-                idx = idx.clone()
+                idx, weights = idx.clone(), weights.clone()
                 for t in range(idx.shape[0]):
                     mine = set(idx[t].tolist())
                     theirs = {e for e in sg[t].tolist() if e < m.num_experts}  # no shared slot
                     if mine == theirs:
                         continue
-                    margin = (
-                        ranked[t, sorted(mine - theirs)].min()
-                        - ranked[t, sorted(theirs - mine)].max()
-                    ).item()
                     if flips is not None:
-                        flips.append({"layer": i, "token": t, "hf": sorted(mine),
-                                      "sglang": sorted(theirs), "margin": margin})  # fmt: skip
-                    if force and (i, t) in force:
-                        idx[t] = torch.tensor(sorted(theirs))
-                if not force:
-                    return None
-                w = scores.gather(1, idx)
-                w = w / (w.sum(-1, keepdim=True) + 1e-20) * m.routed_scaling_factor
-                return logits, w, idx
+                        flips.append(route_flip(ranked[t], mine, theirs, i, t))
+                    idx[t] = torch.tensor(sorted(theirs))
+                    w = own[t, idx[t]]
+                    weights[t] = w / (w.sum() + 1e-20) * m.routed_scaling_factor
+                return logits, weights, idx
 
             hooks.append(gate.register_forward_hook(route))
     if fp8_kv:
@@ -960,6 +1016,62 @@ def compare_tp1(run: dict, tp1: dict, steps: int, tp: int):
     return lines, failures, ties
 
 
+def routing_report(ranked: dict, tp1, first: str, hf_flips: dict, hf_scores: dict, tp: int):
+    """The routing replay's record: each run's tokens whose own router would have picked other
+    experts than the ones it took (sglang's later runs take the first run's, transformers takes
+    sglang's). A margin of at most ROUTER_TIE_MAX is a near-tie, printed; a wider one fails: the
+    router's inputs differ, an error upstream of that layer's MoE. Also each router's ranking
+    scores, sglang's first run against transformers' (FP8 KV) on the same tokens and experts.
+    (record, lines, failures)."""
+    named = []
+    for backend, ranks in ranked.items():
+        for run in ranks:
+            if run["rank"] and run["route_flips"] == ranks[0]["route_flips"]:
+                continue  # a TP rank routes on the same all-reduced input as rank 0
+            rank = f" rank {run['rank']}" if run["rank"] else ""
+            named.append((backend if tp == 1 else f"{backend} TP{tp}{rank}", run["route_flips"]))
+    # transformers with FP8-rounded KV is the reference sglang's routers are held to; without
+    # the rounding it takes the same experts, its flips recorded for scale only.
+    named.append(("transformers", hf_flips["fp8"]))
+    record: dict = {"flips": {}, "score_diff": {}}
+    lines, failures = [], []
+    for name, flips in named:
+        if not flips:
+            continue
+        record["flips"][name] = flips
+        source = f"sglang's {first} run" if name == "transformers" else f"the {first} run"
+        for f in flips:
+            where = (f"layer {f['layer']} token {f['token']}: its router picks experts "
+                     f"{f['own']}, {source} took {f['reference']}")  # fmt: skip
+            if f["margin"] <= ROUTER_TIE_MAX:
+                lines.append(f"router near-tie, {name} takes {source}'s experts: {where}, "
+                             f"margin {f['margin']:.4g} <= {ROUTER_TIE_MAX}")  # fmt: skip
+            else:
+                failures.append(f"{name}: {where}, by a margin {f['margin']:.4g} > "
+                                f"{ROUTER_TIE_MAX}: the router's inputs differ (an error "
+                                "upstream of this layer's MoE)")  # fmt: skip
+    sg_scores = (tp1 or ranked["mma"][0])["router_scores"]
+    for layer in sorted(hf_scores):
+        if layer in sg_scores:
+            diff = (sg_scores[layer] - hf_scores[layer][: len(sg_scores[layer])]).abs().max()
+            record["score_diff"][layer] = diff.item()
+            if diff.item() > ROUTER_SCORE_MAX_DIFF:
+                failures.append(f"layer {layer}: sglang's router scores differ from "
+                                f"transformers' by up to {diff.item():.4g} > "
+                                f"{ROUTER_SCORE_MAX_DIFF} over {len(sg_scores[layer])} tokens: "
+                                "the router's inputs or weights differ")  # fmt: skip
+    if hf_flips["fp32"]:
+        record["flips"]["transformers (fp32 kv)"] = hf_flips["fp32"]
+        lines.append(f"transformers without the FP8 KV rounding (for scale) takes sglang's experts "
+                     f"at {len(hf_flips['fp32'])} tokens, margins up to "
+                     f"{max(f['margin'] for f in hf_flips['fp32']):.4g} (not checked)")  # fmt: skip
+    if record["score_diff"]:
+        lines.append(f"router ranking scores, sglang's {first} run vs transformers (fp8 kv), max "
+                     "|diff| per layer: " + ", ".join(f"layer {k} {v:.4g}" for k, v in
+                                                      record["score_diff"].items()))  # fmt: skip
+    return record, lines, failures
+
+
 def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bench/dsv4_check",
@@ -1000,6 +1112,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--forced", help=argparse.SUPPRESS)
     p.add_argument("--kill-rank", type=int, help=argparse.SUPPRESS)  # fault injection
     p.add_argument("--perturb", help=argparse.SUPPRESS)  # fault injection
+    p.add_argument("--replay", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)  # fmt: skip
     if (args.prompt_len is not None and args.prompt_len < 2) or args.steps < 1:
@@ -1034,9 +1147,15 @@ def main(argv=None) -> int:
           + (f", TP{args.tp}" if args.tp > 1 else ""), flush=True)  # fmt: skip
     ranked: dict = {}
     tp1 = None
-    # At TP > 1 the mma run at TP1 goes first: the TP runs are fed its greedy tokens.
+    topk = cfg.get("num_experts_per_tok", 0) < cfg.get("n_routed_experts", 0)
+    # At TP > 1 the mma run at TP1 goes first: the TP runs are fed its greedy tokens. With top-k
+    # routing, every later run also takes the first run's expert choices (replayed, each token
+    # where its own router differs noted with its margin), so that two runs differ only in
+    # their kernels and TP, not in which side of a router near-tie their rounding landed on.
     plan = ([("mma", 1)] if args.tp > 1 else []) + [(b, args.tp) for b in BACKENDS]
+    first = "mma TP1" if args.tp > 1 else "mma"
     with tempfile.TemporaryDirectory(prefix="dsv4_check.") as tmp:
+        replay = None
         for backend, tp in plan:
             lead = tp1 or ranked.get("mma", [None])[0]
             forced = None if lead is None else lead["tokens"][: args.steps]
@@ -1046,64 +1165,44 @@ def main(argv=None) -> int:
                 got = run_backend(
                     backend, model, ids, args.steps, forced,
                     Path(tmp) / f"{backend}-tp{tp}.pt", args.timeout, tp=tp,
-                    kill_rank=args.kill_rank, perturb=args.perturb,
+                    kill_rank=args.kill_rank, perturb=args.perturb, replay=replay,
                 )  # fmt: skip
             except (RuntimeError, BadInput) as err:
                 print(f"dsv4_check: {err}", file=sys.stderr)
                 return 1
+            if topk and replay is None:
+                import torch
+
+                replay = Path(tmp) / "routes.pt"
+                torch.save(got[0]["routes"], replay)
             if tp == args.tp:
                 ranked[backend] = got
             else:
                 tp1 = got[0]
     runs = {name: ranks[0] for name, ranks in ranked.items()}
+    reference_run = tp1 or runs["mma"]
     print("dsv4_check: transformers' DSV4 (float32) ...", flush=True)
-    tokens = ids + (tp1 or runs["mma"])["tokens"][: args.steps]
+    tokens = ids + reference_run["tokens"][: args.steps]
     at = range(len(ids) - 1, len(ids) + args.steps)
-    routes, forced, wide = None, [], []
-    if cfg.get("num_experts_per_tok", 0) < cfg.get("n_routed_experts", 0):
-        # Top-k routing: where sglang's and transformers' routers are near-tied, the reference
-        # follows sglang's choice, so that the comparisons below measure attention and the
-        # compressors, not which side of a tie bf16 landed on.
-        routes = runs["mma"]["routes"]
-        forced, wide = aligned_routing(model, tokens, routes, at)
-    force = {(f["layer"], f["token"]) for f in forced}
+    # transformers takes the same expert choices (the first run's) in both references.
+    routes = reference_run["routes"] if topk else None
     hf_entries: dict = {}
+    hf_flips: dict = {"fp8": [], "fp32": []}
+    hf_scores: dict = {}
     hf = {
-        "fp8": transformers_logits(model, tokens, at, fp8_kv=True, routes=routes, force=force),
+        "fp8": transformers_logits(model, tokens, at, fp8_kv=True, routes=routes,
+                                   flips=hf_flips["fp8"], scores=hf_scores),
         "fp32": transformers_logits(model, tokens, at, fp8_kv=False, entries=hf_entries,
-                                    routes=routes, force=force),
+                                    routes=routes, flips=hf_flips["fp32"]),
     }  # fmt: skip
     lines, failures = report(ranked, hf, args.steps, layers, heads, args.tp, tp1)
-    for f in forced:
-        lines.append(f"router near-tie, the reference follows sglang: layer {f['layer']} token "
-                     f"{f['token']}: transformers picks experts {f['hf']}, sglang {f['sglang']}, "
-                     f"margin {f['margin']:.4g} <= {ROUTER_TIE_MAX}")  # fmt: skip
-    for f in wide:
-        failures.append(f"layer {f['layer']} token {f['token']}: sglang routes to experts "
-                        f"{f['sglang']}, transformers to {f['hf']} by a margin {f['margin']:.4g} "
-                        f"> {ROUTER_TIE_MAX}: the router's inputs differ (an error upstream of "
-                        "this layer's MoE)")  # fmt: skip
+    routing, more, bad = routing_report(ranked, tp1, first, hf_flips, hf_scores, args.tp)
+    lines += more
+    failures += bad
     if hf_entries:
         lines.append("compressed entries, mma run vs transformers' compressors:")
         for backend in BACKENDS:
-            reference = hf_entries
-            if routes is not None and not same_routes(runs[backend]["routes"], routes):
-                # This run's own router landed elsewhere than the mma run's at a near-tie (bf16
-                # in another order): its later layers saw other inputs. Its entries are held to
-                # a reference routed like this run, each such tie reported as what it is.
-                b_forced, b_wide = aligned_routing(model, tokens, runs[backend]["routes"], at)
-                reference = {}
-                transformers_logits(model, tokens, at, fp8_kv=False, entries=reference,
-                                    routes=runs[backend]["routes"],
-                                    force={(f["layer"], f["token"]) for f in b_forced})  # fmt: skip
-                lines += [f"router near-tie in the {backend} run, its reference follows it: "
-                          f"layer {f['layer']} token {f['token']}: transformers picks experts "
-                          f"{f['hf']}, sglang {f['sglang']}, margin {f['margin']:.4g}"
-                          for f in b_forced]  # fmt: skip
-                failures += [f"{backend}: layer {f['layer']} token {f['token']}: sglang routes "
-                             f"to experts {f['sglang']}, transformers to {f['hf']} by a margin "
-                             f"{f['margin']:.4g} > {ROUTER_TIE_MAX}" for f in b_wide]  # fmt: skip
-            more, bad = compare_entries(runs[backend]["entries"], reference, len(tokens))
+            more, bad = compare_entries(runs[backend]["entries"], hf_entries, len(tokens))
             if backend == "mma":
                 lines += ["  " + line for line in more]
             failures += [f"{backend}: {b}" for b in bad]
@@ -1118,7 +1217,7 @@ def main(argv=None) -> int:
                     "steps": args.steps,
                     "tp": args.tp,
                     "tp1_tokens": tp1["tokens"] if tp1 else None,
-                    "router_ties": forced,
+                    "routing": routing,
                     "ranks": {
                         k: [{f: r[f] for f in ("rank", "tokens", "calls", "triton")} for r in v]
                         for k, v in ranked.items()

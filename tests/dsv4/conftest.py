@@ -57,3 +57,43 @@ def c4c128_checked(c4c128_model, tmp_path_factory) -> dict:
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return {**json.loads(out.read_text()), "stdout": proc.stdout}
+
+
+# A tiny DSV4 with top-k routing: three SWA layers, the first routed by the token-id hash, the
+# other two sending each token to 2 of 8 experts (the real model's kind of routing). Its routers
+# land on different sides of near-ties in bf16 and float32, and in two bf16 runs alike.
+TOPK_ARGS = ["--standard", "swa", "--compress-ratios", "0,0,0", "--experts", "8",
+             "--experts-per-token", "2"]  # fmt: skip
+TOPK_NAME = "tiny-dsv4-r0-0-0-h8-d256-e8k2x1-s1"
+
+
+@pytest.fixture(scope="session")
+def topk_model() -> Path:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "dsv4", *TOPK_ARGS],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    sys.path.insert(0, str(ROOT))
+    from tools import make_tiny_model
+
+    model = make_tiny_model.cache_dir() / TOPK_NAME
+    cfg = json.loads((model / "config.json").read_text())
+    assert cfg["num_experts_per_tok"] < cfg["n_routed_experts"], cfg
+    return model
+
+
+@pytest.fixture(scope="session")
+def topk_tp2_checked(topk_model, tmp_path_factory) -> dict:
+    """bench/dsv4_check --tp 2 on the top-k model, 3 decode steps: the mma run at TP1, then
+    mma and torch at TP2 replaying its expert choices, then transformers replaying them too.
+    test_cpu_tp.py asserts on its TP checks, test_dsv4_routing.py on its routing: one run."""
+    out = tmp_path_factory.mktemp("topk-tp2") / "check.json"
+    cmd = [
+        sys.executable, str(ROOT / "bench" / "dsv4_check.py"), "--model", str(topk_model),
+        "--tp", "2", "--steps", "3", "--timeout", "600", "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return {**json.loads(out.read_text()), "stdout": proc.stdout}
