@@ -33,8 +33,7 @@ CHECK = ROOT / "bench" / "dsv4_check.py"
 
 def _check(model: Path, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     proc = subprocess.run(
-        [sys.executable, str(CHECK), "--model", str(model), "--steps", "4", "--json", str(out),
-         *args],
+        [sys.executable, str(CHECK), "--model", str(model), "--json", str(out), *args],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     print(proc.stdout)
@@ -65,7 +64,9 @@ def test_topk_routing_passes_with_every_run_taking_the_same_experts(topk_tp2_che
 
 
 def test_a_router_error_in_sglang_fails_naming_its_layer(topk_model, tmp_path):
-    proc, got = _check(topk_model, tmp_path / "c.json", "--perturb", "layers.1.mlp.gate.weight")
+    # A router error shows on every token: a short prompt and one step are enough (and cheap).
+    proc, got = _check(topk_model, tmp_path / "c.json", "--perturb", "layers.1.mlp.gate.weight",
+                       "--prompt-len", "40", "--steps", "1")  # fmt: skip
     assert proc.returncode == 1, proc.stdout
     failures = got["failures"]
     assert any(f.startswith("layer 1: sglang's router scores") for f in failures), failures
@@ -91,6 +92,7 @@ def test_a_compressor_error_still_fails_under_the_replay(tmp_path):
     from tools import make_tiny_model
 
     model = make_tiny_model.cache_dir() / "tiny-dsv4-r0-4-128-h8-d256-e4k2x1-s1"
-    proc, got = _check(model, tmp_path / "c.json", "--perturb", "layers.1.self_attn.compressor")
+    proc, got = _check(model, tmp_path / "c.json", "--perturb", "layers.1.self_attn.compressor",
+                       "--steps", "4")  # fmt: skip
     assert proc.returncode == 1, proc.stdout
     assert any("1:kv" in f or "1:index" in f for f in got["failures"]), got["failures"]
