@@ -86,7 +86,9 @@ ROUTER_SCORE_MAX_DIFF = 0.05
 
 def route_flip(ranked, mine: set, theirs: set, layer: int, token: int) -> dict:
     """One token whose router picked `mine` where the reference took `theirs`: its margin is
-    how much higher this router ranks the experts it picked than those it was made to take."""
+    how much higher this router ranks the experts it picked than those it was made to take.
+    sglang's routers rank in bf16 and this re-ranks their logits in float32, so a tie sglang
+    broke the other way reads as a margin just below 0 (down to bf16's spacing, 2**-7 here)."""
     margin = (ranked[sorted(mine - theirs)].min() - ranked[sorted(theirs - mine)].max()).item()
     return {"layer": layer, "token": token, "own": sorted(mine), "reference": sorted(theirs),
             "margin": margin}  # fmt: skip

@@ -59,12 +59,13 @@ def c4c128_checked(c4c128_model, tmp_path_factory) -> dict:
     return {**json.loads(out.read_text()), "stdout": proc.stdout}
 
 
-# A tiny DSV4 with top-k routing: three SWA layers, the first routed by the token-id hash, the
-# other two sending each token to 2 of 8 experts (the real model's kind of routing). Its routers
-# land on different sides of near-ties in bf16 and float32, and in two bf16 runs alike.
-TOPK_ARGS = ["--standard", "swa", "--compress-ratios", "0,0,0", "--experts", "8",
-             "--experts-per-token", "2"]  # fmt: skip
-TOPK_NAME = "tiny-dsv4-r0-0-0-h8-d256-e8k2x1-s1"
+# A tiny DSV4 with top-k routing: the c4c128 standard's layers (SWA, c4 with its indexer, c128),
+# the first routed by the token-id hash, the other two sending each token to 2 of 8 experts (the
+# real model's kind of routing). Its routers land on different sides of near-ties in bf16 and
+# float32, and in two bf16 runs alike; a flip then moves the compressed entries every later
+# token reads. This is the held-out model on which the check used to fail at TP 2.
+TOPK_ARGS = ["--experts", "8", "--experts-per-token", "2"]
+TOPK_NAME = "tiny-dsv4-r0-4-128-h8-d256-e8k2x1-s1"
 
 
 @pytest.fixture(scope="session")
@@ -85,13 +86,15 @@ def topk_model() -> Path:
 
 @pytest.fixture(scope="session")
 def topk_tp2_checked(topk_model, tmp_path_factory) -> dict:
-    """bench/dsv4_check --tp 2 on the top-k model, 3 decode steps: the mma run at TP1, then
-    mma and torch at TP2 replaying its expert choices, then transformers replaying them too.
+    """bench/dsv4_check --tp 2 on the top-k model, a 160-token prompt (past the 128-token window,
+    a c128 entry closed) and 2 decode steps: the mma run at TP1, then mma and torch at TP2
+    replaying its expert choices, then transformers replaying them too. Without the replay this
+    run fails at step 1 (TP2 against TP1 logits cosine 0.907: a router flip between the runs).
     test_cpu_tp.py asserts on its TP checks, test_dsv4_routing.py on its routing: one run."""
     out = tmp_path_factory.mktemp("topk-tp2") / "check.json"
     cmd = [
         sys.executable, str(ROOT / "bench" / "dsv4_check.py"), "--model", str(topk_model),
-        "--tp", "2", "--steps", "3", "--timeout", "600", "--json", str(out),
+        "--tp", "2", "--prompt-len", "160", "--steps", "2", "--timeout", "600", "--json", str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     print(proc.stdout)

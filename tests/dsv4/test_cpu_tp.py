@@ -8,10 +8,11 @@ in two gloo processes and shows both halves: upstream's function still asks for 
 coordinator has none, an all-reduce goes through gloo, and PyNccl itself on the same group and
 device raises (so the test cannot pass without the hook while this torch is installed).
 
-The second runs bench/dsv4_check at TP 2 on conftest's top-k model (SWA layers, 2 of 8 experts
-per token, the real model's kind of routing): every kernel call on every rank, the rank's native
-4 of 8 heads reaching the mma kernel (patch 0005 on the real model), logits and greedy tokens
-against the TP1 run and transformers, every run taking the TP1 run's expert choices.
+The second runs bench/dsv4_check at TP 2 on conftest's top-k model (the c4c128 layers, 2 of 8
+experts per token, the real model's kind of routing): every kernel call on every rank, the
+rank's native 4 of 8 heads reaching the mma kernel (patch 0005 on the real model), logits and
+greedy tokens against the TP1 run and transformers, every run taking the TP1 run's expert
+choices.
 """
 
 from __future__ import annotations
