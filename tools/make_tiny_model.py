@@ -16,6 +16,8 @@ command gives the same files, and an existing model of the same recipe and shape
 """
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import random
@@ -115,6 +117,20 @@ def _link(out: Path, name: str) -> None:
     print(f"make_tiny_model: {link.relative_to(ROOT)} -> {out}")
 
 
+@contextlib.contextmanager
+def _locked(out: Path):
+    """Hold an exclusive lock on `out`'s lock file (beside it) while it is checked, written and
+    linked: two processes making the same model at once (parallel test workers) take turns,
+    and the second finds it up to date instead of rewriting files the first is reading."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _fresh(marker: Path, want: dict, force: bool) -> bool:
     return force or not marker.is_file() or json.loads(marker.read_text()) != want
 
@@ -166,12 +182,13 @@ def main(argv=None) -> int:
     if args.model == "dsv4":
         return main_dsv4(args)
     out = args.out or default_out()
-    if _fresh(out / "sm120pd_recipe.json", {"recipe": RECIPE}, args.force):
-        print(f"make_tiny_model: writing {out}", flush=True)
-        make(out)
-    else:
-        print(f"make_tiny_model: {out} is up to date")
-    _link(out, "tiny-llama")
+    with _locked(out):
+        if _fresh(out / "sm120pd_recipe.json", {"recipe": RECIPE}, args.force):
+            print(f"make_tiny_model: writing {out}", flush=True)
+            make(out)
+        else:
+            print(f"make_tiny_model: {out} is up to date")
+        _link(out, "tiny-llama")
     return 0
 
 
@@ -204,16 +221,17 @@ def main_dsv4(args: argparse.Namespace) -> int:
     want = {"recipe": DSV4_RECIPE, "shape": dataclasses.asdict(shape)}
     want["shape"]["compress_ratios"] = list(shape.compress_ratios)
     marker = out / "sm120pd_recipe.json"
-    if _fresh(marker, want, args.force):
-        print(f"make_tiny_model: writing {out}", flush=True)
-        marker.unlink(missing_ok=True)
-        names = tiny_dsv4.make(out, shape, tokenizer())
-        marker.write_text(json.dumps(want) + "\n")
-        print(f"make_tiny_model: {len(names)} tensors, layers {list(shape.compress_ratios)}")
-    else:
-        print(f"make_tiny_model: {out} is up to date")
-    if args.out is None:
-        _link(out, shape.name)
+    with _locked(out):
+        if _fresh(marker, want, args.force):
+            print(f"make_tiny_model: writing {out}", flush=True)
+            marker.unlink(missing_ok=True)
+            names = tiny_dsv4.make(out, shape, tokenizer())
+            marker.write_text(json.dumps(want) + "\n")
+            print(f"make_tiny_model: {len(names)} tensors, layers {list(shape.compress_ratios)}")
+        else:
+            print(f"make_tiny_model: {out} is up to date")
+        if args.out is None:
+            _link(out, shape.name)
     return 0
 
 
