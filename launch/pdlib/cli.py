@@ -269,7 +269,7 @@ def cmd_co_restart(args, stack: Stack, sup, out) -> int:
     if not checks.summary(results)[0]:
         out("co-restart: verify failed", err=True)
         return 1
-    ok, lines = checks.probe(stack, args.probe_timeout, 16)
+    ok, lines = checks.probe(stack, args.probe_timeout, args.probe_max_tokens)
     for line in lines:
         out(line)
     out(f"co-restart {'done' if ok else 'FAILED at probe'} in {time.time() - t0:.1f} s")
@@ -644,6 +644,12 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[stack, logs, timeout, probe_opts, targets],
         help="prefill, decode, router instances in turn, each healthy before the next; "
         "then verify, probe",
+    )
+    p.add_argument(
+        "--probe-max-tokens",
+        type=int,
+        default=16,
+        help="tokens the closing probe generates (default: 16)",
     )
     p.set_defaults(func=cmd_co_restart)
     p = sub.add_parser(

@@ -62,7 +62,7 @@ def test_co_restart_restarts_in_order_then_verifies_and_probes(sim_stack: SimSta
     assert "ok   decode SGLANG_SM120_MMA_TARGET_CTAS=512 live in pid" in out
     assert "ok   prefill SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT=60 live in pid" in out
     assert "ok   patched build" in out
-    assert "/v1/chat/completions: HTTP 200" in out
+    assert "/v1/chat/completions: HTTP 200" in out and ", 16 completion tokens" in out
     assert "co-restart done" in out
     for role, pid in old.items():
         assert sim_stack.pid(role) != pid
@@ -335,8 +335,9 @@ def test_decode_killed_mid_stream_is_reported_and_co_restart_recovers(sim_stack:
     code, text = chat(sim_stack.url("router"), 2, timeout=20)
     assert code >= 500 and str(int(sim_stack.values()["DECODE_PORT"])) in text
 
-    done = sim_stack.pd("co-restart")
+    done = sim_stack.pd("co-restart", "--probe-max-tokens", "3")
     assert done.returncode == 0, done.stdout + done.stderr
+    assert ", 3 completion tokens" in done.stdout, done.stdout
     code, _ = chat(sim_stack.url("router"), 2)
     assert code == 200
 
