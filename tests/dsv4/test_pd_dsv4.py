@@ -152,7 +152,8 @@ def decode_tp(stack: Stack) -> int:
 def _co_restart_with(stack: Stack, decode_values: dict[str, str]) -> str:
     """decode.env changed, then `launch/pd co-restart`; returns its output."""
     envfiles.set_values(stack.env_dir / "decode.env", decode_values)
-    done = pd(stack.env_dir, "co-restart", timeout=900)
+    # A 2-token probe: each token is an interpreted decode step (about 3 s at TP 2 here).
+    done = pd(stack.env_dir, "co-restart", "--probe-max-tokens", "2", timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     for key, value in decode_values.items():
         assert f"ok   decode {key}={value} live in pid" in done.stdout, done.stdout
@@ -199,7 +200,7 @@ def test_decode_rank_killed_mid_stream_then_co_restart_puts_a_changed_split_targ
     assert stack.metrics("decode")["sglang:generation_tokens_total"] >= stack.out_len
     text = log.read_text()
     since = text[offset:] if len(text) >= offset else text  # appended, or a fresh log
-    # The restarted decode's launches (its warm-up's and this request's) use the new target.
+    # The restarted decode's launches (the probe's and this request's) use the new target.
     assert "SGLANG_SM120_MMA_TARGET_CTAS=64 (set): batch 1," in since
     assert "SGLANG_SM120_MMA_TARGET_CTAS=512" not in since
 
