@@ -1,3 +1,7 @@
+import json
+import threading
+import urllib.request
+
 from bench_harness import run_tool
 
 SMALL = ["--deadline-s", "2", "--max-tokens", "8", "--first-words", "20", "--turn-words", "5"]
@@ -52,8 +56,35 @@ def test_multiround_rejects_bad_arguments():
     assert result.returncode == 2 and "not a directory" in result.stderr
 
 
+def _other_clients(url: str, n: int, tokens: int) -> list[threading.Thread]:
+    """n streaming requests of `tokens` tokens each from other clients, in threads (bounded by
+    their own timeout; they end with the engine at the fixture's teardown at the latest)."""
+
+    def one():
+        body = {"messages": [{"role": "user", "content": "other client"}], "max_tokens": tokens}
+        request = urllib.request.Request(
+            url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                resp.read()
+        except OSError:
+            pass  # the engine stopped first
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 def test_slow_decode_is_called_engine_saturated_not_connection(fake_engine):
     engine = fake_engine(token_ms=600)
+    # A saturated engine is busy with other clients' requests too. Without them the engine
+    # drains as soon as multiround gives up on its own, and a triage that starts late (a loaded
+    # machine) finds it idle: "inconclusive", seen once in a parallel CI run.
+    others = _other_clients(engine, 2, 40)
     result = run_tool(
         "bench/multiround",
         "--url",
@@ -66,5 +97,6 @@ def test_slow_decode_is_called_engine_saturated_not_connection(fake_engine):
         timeout_s=60,
     )
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "triage verdict: engine saturated" in result.stdout
+    assert "triage verdict: engine saturated" in result.stdout, result.stdout
     assert "connection layer" not in result.stdout
+    assert all(thread.is_alive() for thread in others)  # still streaming when triage ran

@@ -18,8 +18,10 @@ choices.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import psutil
@@ -114,20 +116,22 @@ def test_dsv4_check_at_tp2_equals_tp1_on_every_rank(topk_model, topk_tp2_checked
 
 def test_a_dead_rank_ends_the_run_naming_it_and_leaves_no_process(swa_model):
     """Rank 1 exits before it joins the model's groups; rank 0 would block in gloo for ever."""
-    before = {p.pid for p in psutil.process_iter()}
+    # Every process of this run carries the tag in its environment (a rank inherits it), so a
+    # survivor is found among all processes, and another test's checks running beside this one
+    # (parallel workers) are not taken for it.
+    tag = uuid.uuid4().hex
     proc = subprocess.run(
         [sys.executable, str(CHECK), "--model", str(swa_model), "--tp", "2", "--steps", "1",
          "--timeout", "120", "--kill-rank", "1"],
-        capture_output=True, text=True, timeout=400,
+        capture_output=True, text=True, timeout=400, env={**os.environ, "SM120PD_TEST_TAG": tag},
     )  # fmt: skip
     assert proc.returncode == 1
     assert "TP rank 1 died (exit 3)" in proc.stderr, proc.stderr[-3000:]
     left = []
     for p in psutil.process_iter():
         try:
-            if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE:
-                if str(CHECK) in " ".join(p.cmdline()) or "multiprocessing" in p.name():
-                    left.append((p.pid, p.cmdline()))
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("SM120PD_TEST_TAG") == tag:
+                left.append((p.pid, p.cmdline()))
         except psutil.Error:
             pass  # gone, or another user's
     assert left == []
