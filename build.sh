@@ -25,8 +25,9 @@ Commands:
   label            print the local version label of the current series
   test [ARGS]      create .venv, install the pinned test dependencies, unpack Debian's
                    prometheus packages into build/prometheus, build and install the patched
-                   wheel, run ruff check, ruff format --check, shellcheck and pytest
-                   (ARGS go to pytest)
+                   wheel, run ruff check, ruff format --check, shellcheck and pytest on
+                   PYTEST_WORKERS parallel workers (default 2; 0: one process) (ARGS go to
+                   pytest)
   prometheus       only the step of "test" that unpacks Debian's prometheus and
                    prometheus-node-exporter packages into build/prometheus (skipped when
                    their binaries are there); each .deb's SHA256 is checked against apt's lists
@@ -216,8 +217,10 @@ run_tests() {
   "$TEST_VENV/bin/ruff" format --check .
   echo "== shellcheck"
   "$TEST_VENV/bin/shellcheck" --external-sources build.sh .ci/run launch/pd launch/*.sh bench/kernel/microbench bench/kernel/audit bench/kernel/gpu_session
-  echo "== pytest"
-  "$TEST_VENV/bin/python" -m pytest "$@"
+  echo "== pytest (${PYTEST_WORKERS:-2} workers)"
+  # Two workers by default: tests/conftest.py keeps the real-engine tests on one and the rest,
+  # mostly waiting on subprocesses, on the other. PYTEST_WORKERS=0 runs them all in this process.
+  "$TEST_VENV/bin/python" -m pytest -n "${PYTEST_WORKERS:-2}" "$@"
 }
 
 host_wheel() {
