@@ -6,18 +6,14 @@ files that start real sglang engines or watch what engines leave behind run toge
 on one worker (the ENGINES group, scheduled first because it is the longest): they read every
 sglang load snapshot file in /dev/shm and every process on the machine, so an engine another
 worker started beside them would read as theirs. The two files that share the top-k TP2 check
-(one session run of bench/dsv4_check) go together too. The rest (sim stacks, the router,
-promtool, the kernel's interpreter and compiler checks) mostly wait on subprocesses and sockets,
-and fill the other worker.
+(one session run of bench/dsv4_check) go together too. Every other file (sim stacks, the
+router, promtool, the kernel's interpreter and compiler checks) goes to whichever worker is free:
+most of them wait on subprocesses and sockets, and fill the time the engine tests leave idle.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-TESTS = Path(__file__).resolve().parent
 
 # File paths (relative to tests/) or folders, each group run by one worker in this order.
 ENGINES = (
