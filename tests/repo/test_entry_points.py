@@ -26,6 +26,7 @@ ENTRY_POINTS = {
     "bench/proxy": ("needs", "needs"),
     "bench/triage": ("needs", "needs"),
     "bench/restart_load": ("needs", "needs"),
+    "bench/chaos": ("needs", "needs"),
     "bench/report": ("works", "works"),
     "bench/bench_serving_check.py": ("needs", "needs"),
     "bench/dsv4_check": ("works", "needs"),

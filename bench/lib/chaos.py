@@ -1,0 +1,1038 @@
+"""bench/chaos: a PD stack under closed-loop load and a seeded schedule of faults, with its
+invariants checked after every fault and at a final settle.
+
+The load mixes short greedy requests and long prompts (each compared with the answer it got on
+the healthy stack before any fault) and multiround chat sessions, through the router. Faults
+come from bench/lib/chaos_plan.py's catalogue, one at a time: the load runs a while, the fault
+is injected and ended, the load runs until a request succeeds again, then pauses (no new
+request; those in flight end) and every engine must hold nothing within the settle bound.
+So each fault has its own window of requests, and a broken invariant is the fault's.
+
+Everything is bounded: requests by count (--max-requests) and each by the bound its timeouts
+imply (cut off and counted as a hang past it), each restart command by --command-timeout-s,
+recovery by --recover-s, settling by --settle-s. A process this tool stopped is continued
+before it exits, however it exits. Loopback stacks only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import ipaddress
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+import psutil
+
+from bench.lib import chaos_check, chaos_plan
+from bench.lib.client import (
+    ChatRequest,
+    add_api_key_arg,
+    auth_headers,
+    first_model_id,
+    redact,
+    resolve_api_key,
+    seeded_prompt,
+    stream_chat,
+)
+from bench.lib.stack import stack_from_env_dir
+from bench.lib.triage import triage
+from launch.pdlib import loadfiles, loads
+from launch.pdlib.stack import http, load_stack
+from launch.pdlib.supervise import supervisor_for
+from launch.pdlib.unresponsive import UNRESPONSIVE
+from launch.pdlib.wedged import WEDGED, WEDGED_AFTER_S
+
+ROOT = Path(__file__).resolve().parents[2]
+PD = ROOT / "launch" / "pd"
+RESULTS = ROOT / "bench" / "results"
+SCHEDULER_NAME = "sglang::schedul"  # sglang titles its scheduler processes sglang::scheduler*
+# Upstream's default for decode's wait for a room's KV (prefill's inflight timeout has none).
+WAITING_TIMEOUT_DEFAULT_S = 300.0
+# How long after an engine-stop triage starts, and its probes' timeout: short, so that the
+# hold it extends stays short.
+TRIAGE_PROBE_S = 3.0
+# Seconds a killed engine's processes may take to be reaped before its restart.
+KILL_EXIT_S = 15.0
+
+
+def _now(t0: float) -> float:
+    return round(time.monotonic() - t0, 3)
+
+
+class History:
+    """history.jsonl, written as it happens, and the same records in memory for the checks."""
+
+    def __init__(self, path: Path):
+        self.t0 = time.monotonic()
+        self.records: list[dict] = []
+        self.path = path
+        self._file = path.open("w")
+
+    def now(self) -> float:
+        return _now(self.t0)
+
+    def add(self, record: dict) -> None:
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class Options:
+    env_dir: Path
+    seed: int
+    faults: int
+    duration_s: float
+    kinds: list[str]
+    holds: tuple[float, float]
+    only_fault: int | None
+    out: Path
+    short_clients: int
+    long_clients: int
+    session_clients: int
+    short_prompts: int
+    long_prompts: int
+    short_words: int
+    long_words: int
+    short_tokens: int
+    long_tokens: int
+    session_rounds: int
+    max_requests: int
+    gap_s: float
+    serve_s: float
+    settle_s: float
+    recover_s: float
+    command_timeout_s: float
+    wedged_after_s: float
+    api_key: str = field(default="", repr=False)
+
+
+@dataclass
+class Shared:
+    """What the clients and the fault runner share: the current window, whether the load runs,
+    and the fault now active (for the requests' live bounds)."""
+
+    history: History
+    base_bound_s: float
+    window: str = "1"
+    active_since: float | None = None
+    sent: int = 0
+    inflight: int = 0
+    load: asyncio.Event = field(default_factory=asyncio.Event)
+    done: bool = False
+
+    def bound(self, start: float, now: float) -> float:
+        spent = chaos_check.fault_time(self.history.records, start, now)
+        if self.active_since is not None:
+            spent += max(0.0, now - max(start, self.active_since))
+        return self.base_bound_s + spent
+
+
+# ---- the load -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    name: str  # short/3, long/1
+    kind: str  # short or long
+    body: dict
+
+
+def greedy_prompts(opts: Options) -> list[Prompt]:
+    prompts = []
+    for kind, count, words, tokens, offset in (
+        ("short", opts.short_prompts, opts.short_words, opts.short_tokens, 0),
+        ("long", opts.long_prompts, opts.long_words, opts.long_tokens, 10_000),
+    ):
+        for i in range(1, count + 1):
+            text = seeded_prompt(opts.seed, offset + i, words)
+            body = {
+                "text": text,
+                "sampling_params": {"max_new_tokens": tokens, "temperature": 0},
+                "return_logprob": True,
+            }
+            prompts.append(Prompt(f"{kind}/{i}", kind, body))
+    return prompts
+
+
+async def generate(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    """One /generate through the router: ok with its token ids and logprobs, or the error."""
+    try:
+        async with session.post(url + "/generate", json=body) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                error = f"HTTP {resp.status}: {text[:200]}"
+                return {"ok": False, "status": resp.status, "error": error}
+            data = json.loads(text)
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        return {"ok": False, "status": 0, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    if isinstance(data, list):
+        data = data[0]
+    meta = data.get("meta_info") or {}
+    finish = meta.get("finish_reason") or {}
+    if not isinstance(finish, dict) or finish.get("type") not in ("length", "stop"):
+        return {"ok": False, "status": 200, "error": f"finished by {json.dumps(finish)[:200]}"}
+    logprobs = [x[0] for x in meta.get("output_token_logprobs") or []]
+    return {"ok": True, "status": 200, "output_ids": data.get("output_ids"), "logprobs": logprobs}
+
+
+class Load:
+    """Closed-loop clients through the router: short and long greedy requests, multiround
+    sessions. Each request is recorded once it ends."""
+
+    def __init__(self, opts: Options, shared: Shared, url: str, model: str, refs: dict):
+        self.opts, self.shared, self.url, self.model, self.refs = opts, shared, url, model, refs
+        self.prompts = greedy_prompts(opts)
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        clients = (
+            [("short", i) for i in range(1, self.opts.short_clients + 1)]
+            + [("long", i) for i in range(1, self.opts.long_clients + 1)]
+            + [("session", i) for i in range(1, self.opts.session_clients + 1)]
+        )
+        for kind, i in clients:
+            runner = self._sessions if kind == "session" else self._greedy
+            self.tasks.append(asyncio.create_task(runner(f"{kind}/{i}", kind, i)))
+
+    async def stop(self) -> None:
+        self.shared.done = True
+        self.shared.load.set()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _turn(self) -> bool:
+        """Wait until the load runs; False once the run is over or the count is spent."""
+        await self.shared.load.wait()
+        if self.shared.done or self.shared.sent >= self.opts.max_requests:
+            return False
+        self.shared.sent += 1
+        return True
+
+    async def _bounded(self, coro) -> tuple[dict | None, float, float]:
+        """Run one request under its live bound; (result or None when cut off, start, end)."""
+        shared = self.shared
+        start = shared.history.now()
+        shared.inflight += 1
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=1.0)
+                if done:
+                    return task.result(), start, shared.history.now()
+                now = shared.history.now()
+                if now - start > shared.bound(start, now):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+                    return None, start, shared.history.now()
+        finally:
+            shared.inflight -= 1
+
+    def _record(self, rid: str, kind: str, prompt: str, window: str, result, start, end) -> dict:
+        record = {
+            "type": "request",
+            "id": rid,
+            "kind": kind,
+            "prompt": prompt,
+            "window": window,
+            "start": start,
+            "end": end,
+        }
+        if result is None:
+            record |= {"ok": False, "hung": True, "error": "no answer within its bound; cut off"}
+        else:
+            record |= {"ok": result["ok"], "error": result.get("error", "")}
+            if "output_ids" in result:
+                record["output_ids"] = result["output_ids"]
+                want = self.refs.get(prompt, {}).get("logprobs") or []
+                got = result.get("logprobs") or []
+                if result["ok"] and want and len(got) == len(want):
+                    record["logprob_diff"] = max(abs(a - b) for a, b in zip(got, want, strict=True))
+        if record["error"]:
+            record["error"] = redact(record["error"], self.opts.api_key)
+        self.shared.history.add(record)
+        return record
+
+    async def _greedy(self, client: str, kind: str, index: int) -> None:
+        mine = [p for p in self.prompts if p.kind == kind]
+        connector = aiohttp.TCPConnector(limit=1)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        headers = auth_headers(self.opts.api_key)
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=timeout, headers=headers
+        ) as s:
+            n = index - 1
+            while await self._turn():
+                prompt = mine[n % len(mine)]
+                n += 1
+                window = self.shared.window
+                result, start, end = await self._bounded(generate(s, self.url, prompt.body))
+                self._record(f"{client}#{n}", kind, prompt.name, window, result, start, end)
+
+    async def _sessions(self, client: str, kind: str, index: int) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        headers = auth_headers(self.opts.api_key)
+        n = 0
+        session_no = 0
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1), timeout=timeout, headers=headers
+        ) as s:
+            while True:
+                session_no += 1
+                first = seeded_prompt(self.opts.seed, 20_000 + 100 * index + session_no, 30)
+                messages = [{"role": "user", "content": first}]
+                for rnd in range(1, self.opts.session_rounds + 1):
+                    if not await self._turn():
+                        return
+                    n += 1
+                    window = self.shared.window
+                    request = ChatRequest(list(messages), 16, model=self.model)
+                    out, start, end = await self._bounded(stream_chat(s, self.url, request))
+                    result = None if out is None else {"ok": out.success, "error": out.error}
+                    name = f"session/{index}.{session_no} round {rnd}"
+                    record = self._record(f"{client}#{n}", kind, name, window, result, start, end)
+                    if not record["ok"]:
+                        break
+                    messages += [
+                        {"role": "assistant", "content": out.text},
+                        {"role": "user", "content": seeded_prompt(self.opts.seed, n, 10)},
+                    ]
+
+
+# ---- the stack ------------------------------------------------------------------------------
+
+
+class Target:
+    """The stack's instances as launch/pd knows them: processes, URLs, restart commands."""
+
+    def __init__(self, env_dir: Path):
+        self.env_dir = env_dir
+        self.stack = load_stack(env_dir, sim=False)
+        self.supervisor = supervisor_for(self.stack, env_dir)
+        self.clients = stack_from_env_dir(env_dir)
+        self.urls = dict(self.clients.engines())
+        self.router_url = self.clients.router_url
+
+    def instances(self) -> dict[str, list[str]]:
+        return {kind: [r.name for r in self.stack.of_kind(kind)] for kind in ("prefill", "decode")}
+
+    def group(self, name: str) -> list[psutil.Process]:
+        return self.supervisor.processes(self.stack.role(name).key)
+
+    def schedulers(self, name: str) -> list[psutil.Process]:
+        found = []
+        for p in self.group(name):
+            with contextlib.suppress(psutil.Error):
+                if p.name().startswith(SCHEDULER_NAME):
+                    found.append(p)
+        return found
+
+    def pd_timeouts_s(self) -> float:
+        """Decode's wait for a room's KV plus prefill's wait for its transfer (when set): the
+        longest the PD path itself may keep a request before failing it."""
+        env = self.stack.env
+
+        def longest(kind: str, key: str, default: float) -> float:
+            values = []
+            for index in env.instances(kind) or [None]:
+                raw = env.role_env(kind, index).get(key, "")
+                try:
+                    values.append(float(raw) if raw else default)
+                except ValueError:
+                    values.append(default)
+            return max(values)
+
+        return longest(
+            "decode", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", WAITING_TIMEOUT_DEFAULT_S
+        ) + longest("prefill", "SGLANG_DISAGGREGATION_INFLIGHT_TIMEOUT", 0.0)
+
+    def not_up(self, api_key: str) -> list[str]:
+        """Each instance whose health endpoint does not answer 200, with what it answered."""
+        problems = []
+        for role in self.stack.roles.values():
+            url = self.urls.get(role.name, self.router_url) + role.health_path
+            reply = http(url, timeout=5, api_key=api_key)
+            if reply.status != 200:
+                problems.append(f"{role.name} {url}: {reply.status or reply.error}")
+        return problems
+
+
+def describe(p: psutil.Process) -> str:
+    try:
+        return f"pid {p.pid} ({p.name()}, {p.status()})"
+    except psutil.Error:
+        return f"pid {p.pid}"
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running as the same processes (a pid may be reused), zombies not counted."""
+    left = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+    return left
+
+
+def stopped(procs: list[psutil.Process]) -> list[psutil.Process]:
+    found = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.status() == psutil.STATUS_STOPPED:
+                found.append(p)
+    return found
+
+
+class Paused:
+    """Every process this tool stopped and has not continued yet; continued on any exit."""
+
+    def __init__(self):
+        self.procs: list[psutil.Process] = []
+
+    def stop(self, procs: list[psutil.Process]) -> None:
+        for p in procs:
+            self.procs.append(p)
+            p.suspend()
+
+    def cont(self, procs: list[psutil.Process]) -> None:
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.resume()
+            if p in self.procs:
+                self.procs.remove(p)
+
+    def cont_all(self) -> None:
+        self.cont(list(self.procs))
+
+
+# ---- the faults -----------------------------------------------------------------------------
+
+
+class Injector:
+    def __init__(self, opts: Options, target: Target, shared: Shared, paused: Paused, model: str):
+        self.opts, self.target, self.shared, self.paused = opts, target, shared, paused
+        self.model = model
+
+    def now(self) -> float:
+        return self.shared.history.now()
+
+    async def command(self, *verb: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            str(PD),
+            *verb,
+            "--env-dir",
+            str(self.opts.env_dir),
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), self.opts.command_timeout_s)
+        except TimeoutError:
+            proc.kill()
+            out, _ = await proc.communicate()
+            out += f"\n(killed after {self.opts.command_timeout_s:g} s)".encode()
+        text = redact(out.decode(errors="replace"), self.opts.api_key)
+        return (proc.returncode if proc.returncode is not None else -1), text
+
+    async def run_triage(self, fault: chaos_plan.Fault) -> dict:
+        expected = [t for t in fault.targets() if t in self.target.urls]
+        verdict = await triage(
+            self.target.router_url,
+            self.target.clients,
+            fast_s=2.0,
+            window_s=1.0,
+            probe_timeout_s=TRIAGE_PROBE_S,
+            model=self.model,
+            api_key=self.opts.api_key,
+            wedged_after_s=self.opts.wedged_after_s,
+        )
+        named = [
+            t
+            for t in expected
+            if verdict.verdict in (UNRESPONSIVE, WEDGED)
+            and f"{t} ({self.target.urls[t]})" in verdict.reason
+        ]
+        return {
+            "ran": True,
+            "at": self.now(),
+            "verdict": verdict.verdict,
+            "reason": redact(verdict.reason, self.opts.api_key),
+            "expected": expected,
+            "named": named,
+        }
+
+    def triage_plan(self, fault: chaos_plan.Fault) -> tuple[chaos_plan.Part | None, str]:
+        """Which part triage runs during, or why it runs during none."""
+        first = fault.parts[0]
+        if first.kind == "scheduler-stop":
+            if first.hold_s < self.opts.wedged_after_s + 1:
+                return None, (
+                    f"the {first.hold_s:g} s hold is shorter than triage needs to tell a stopped "
+                    f"scheduler from a busy one (--wedged-after-s {self.opts.wedged_after_s:g} s "
+                    "+ 1 s)"
+                )
+            return first, ""
+        if first.kind in ("engine-stop", "engine-kill"):
+            return first, ""
+        return None, chaos_plan.CATALOGUE[first.kind].expected.split("Triage is not run: ")[-1]
+
+    async def part(self, part: chaos_plan.Part, record: dict, triage_for, fault) -> None:
+        if part.after_s:
+            await asyncio.sleep(part.after_s)
+        record["start"] = self.now()
+        try:
+            if part.kind in chaos_plan.STOPS:
+                await self._stop(part, record, triage_for, fault)
+            elif part.kind == "engine-kill":
+                await self._kill(part, record, triage_for, fault)
+            else:
+                group = [p for name in self.target.urls for p in self.target.group(name)]
+                verb = ["restart", "router"] if part.kind == "router-restart" else ["co-restart"]
+                rc, out = await self.command(*verb)
+                record["rc"], record["output"] = rc, out[-2000:]
+                if rc != 0:
+                    record["error"] = f"launch/pd {' '.join(verb)} exited {rc}: {out[-600:]}"
+                if part.kind == "co-restart":
+                    record["left"] = [describe(p) for p in alive(group)]
+        except (psutil.Error, OSError) as exc:
+            record["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            record["end"] = self.now()
+
+    async def _hold(self, part, record, triage_for, fault, triage_after_s: float) -> None:
+        if triage_for is part:
+            await asyncio.sleep(triage_after_s)
+            record["triage"] = await self.run_triage(fault)
+            rest = part.hold_s - (self.now() - record["start"])
+            if rest > 0:
+                await asyncio.sleep(rest)
+        else:
+            await asyncio.sleep(part.hold_s)
+
+    async def _stop(self, part, record, triage_for, fault) -> None:
+        group = self.target.group(part.target)
+        if not group:
+            record["error"] = f"{part.target} is not running (launch/pd has no live process)"
+            return
+        if part.kind == "scheduler-stop":
+            procs = self.target.schedulers(part.target)
+            if not procs:
+                record["error"] = (
+                    f"no sglang scheduler process under {part.target} pid {group[0].pid}: "
+                    "scheduler-stop needs a real sglang engine"
+                )
+                return
+            after = self.opts.wedged_after_s + 0.5
+        else:
+            procs = group
+            after = 0.5
+        self.paused.stop(procs)
+        try:
+            await self._hold(part, record, triage_for, fault, after)
+        finally:
+            self.paused.cont(procs)
+        await asyncio.sleep(0.2)
+        record["still_stopped"] = [describe(p) for p in stopped(self.target.group(part.target))]
+
+    async def _kill(self, part, record, triage_for, fault) -> None:
+        group = self.target.group(part.target)
+        if not group:
+            record["error"] = f"{part.target} is not running (launch/pd has no live process)"
+            return
+        files = loadfiles.open_by(group)
+        pgid = os.getpgid(group[0].pid)
+        if pgid == os.getpgrp():
+            record["error"] = f"{part.target} runs in this tool's own process group; not killed"
+            return
+        os.killpg(pgid, signal.SIGKILL)
+        await asyncio.to_thread(psutil.wait_procs, group, KILL_EXIT_S)
+        if triage_for is part:
+            record["triage"] = await self.run_triage(fault)
+        rc, out = await self.command("restart", part.target)
+        record["rc"], record["output"] = rc, out[-2000:]
+        if rc != 0:
+            record["error"] = f"launch/pd restart {part.target} exited {rc}: {out[-600:]}"
+        record["left"] = [describe(p) for p in alive(group)]
+        record["files_left"] = sorted(f for f in files if os.path.exists(f))
+
+    async def inject(self, fault: chaos_plan.Fault) -> dict:
+        triage_for, why_not = self.triage_plan(fault)
+        parts = [{"kind": p.kind, "target": p.target, "hold_s": p.hold_s} for p in fault.parts]
+        start = self.now()
+        self.shared.active_since = start
+        try:
+            await asyncio.gather(
+                *(
+                    self.part(p, rec, triage_for, fault)
+                    for p, rec in zip(fault.parts, parts, strict=True)
+                )
+            )
+        finally:
+            self.shared.active_since = None
+        found = [rec.pop("triage") for rec in parts if "triage" in rec]
+        triaged = found[0] if found else {"ran": False, "why_not": why_not}
+        if triage_for is not None and not found:
+            triaged = {"ran": False, "why_not": "the fault's action failed before triage"}
+        return {
+            "type": "fault",
+            "index": fault.index,
+            "kind": fault.kind,
+            "describe": fault.describe(),
+            "planned_s": fault.at_s,
+            "start": start,
+            "end": self.now(),
+            "parts": parts,
+            "triage": triaged,
+        }
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+async def held_now(target: Target, api_key: str) -> dict[str, object]:
+    """What each engine holds now by its /v1/loads (quarantined rooms' KV included, in
+    num_used_tokens), without the engines that hold nothing; a string where it could not be
+    read."""
+    state: dict[str, object] = {}
+    for name, url in target.urls.items():
+        snapshot = await asyncio.to_thread(loads.read, url, api_key, 5.0)
+        counts = snapshot if isinstance(snapshot, str) else loads.held(snapshot)
+        if counts:
+            state[name] = counts
+    return state
+
+
+async def settle(target: Target, opts: Options, shared: Shared, window: str) -> dict:
+    """Pause the load, let every request in flight end, then wait for nothing held."""
+    shared.load.clear()
+    while shared.inflight:
+        await asyncio.sleep(0.1)
+    paused = shared.history.now()
+    state: dict[str, object] = {}
+    while True:
+        state = await held_now(target, opts.api_key)
+        took = shared.history.now() - paused
+        if not state or took > opts.settle_s:
+            break
+        await asyncio.sleep(0.5)
+    record = {
+        "type": "settle",
+        "window": window,
+        "paused": paused,
+        "settled": not state,
+        "settle_s": round(took, 2),
+        "bound_s": opts.settle_s,
+        "held": {k: loads.describe(v) if isinstance(v, dict) else v for k, v in state.items()},
+    }
+    shared.history.add(record)
+    return record
+
+
+async def recovery(opts: Options, shared: Shared, fault: int, since: float) -> dict:
+    """The first success among requests sent after the fault ended."""
+    history = shared.history
+    recovered = None
+    while history.now() - since <= opts.recover_s and shared.sent < opts.max_requests:
+        firsts = [
+            r["end"]
+            for r in history.records
+            if r["type"] == "request" and r["ok"] and r["start"] >= since
+        ]
+        if firsts:
+            recovered = round(min(firsts) - since, 2)
+            break
+        await asyncio.sleep(0.2)
+    record = {
+        "type": "recovery",
+        "fault": fault,
+        "recovered_s": recovered,
+        "bound_s": opts.recover_s,
+    }
+    history.add(record)
+    return record
+
+
+def say(history: History, text: str) -> None:
+    print(f"[{history.now():7.1f} s] {text}", flush=True)
+
+
+async def references(url: str, opts: Options) -> tuple[dict, str | None]:
+    """Each greedy prompt's answer on the healthy stack, one at a time."""
+    refs = {}
+    connector = aiohttp.TCPConnector(limit=1)
+    timeout = aiohttp.ClientTimeout(total=opts.serve_s)
+    headers = auth_headers(opts.api_key)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as s:
+        for prompt in greedy_prompts(opts):
+            try:
+                got = await generate(s, url, prompt.body)
+            except TimeoutError:
+                got = {"ok": False, "error": f"no answer within --serve-s {opts.serve_s:g} s"}
+            if not got["ok"]:
+                return refs, f"{prompt.name}: {redact(got['error'], opts.api_key)}"
+            refs[prompt.name] = got
+    return refs, None
+
+
+async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], replay: str) -> int:
+    opts.out.mkdir(parents=True, exist_ok=True)
+    history = History(opts.out / "history.jsonl")
+    pd_timeouts = target.pd_timeouts_s()
+    shared = Shared(history, opts.serve_s + pd_timeouts)
+    paused = Paused()
+    load = None
+    try:
+        model = await first_model_id(target.router_url, 10.0, opts.api_key)
+        say(history, f"taking the reference answers of {len(greedy_prompts(opts))} prompts")
+        refs, failed = await references(target.router_url, opts)
+        if failed:
+            print(
+                f"bench/chaos: the healthy stack did not serve a reference request: {failed}",
+                file=sys.stderr,
+            )
+            return 2
+        history.add(
+            {
+                "type": "run",
+                "seed": opts.seed,
+                "env_dir": str(opts.env_dir),
+                "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "schedule": [f.to_json() for f in schedule],
+                "serve_s": opts.serve_s,
+                "pd_timeouts_s": pd_timeouts,
+                "bound_base_s": shared.base_bound_s,
+                "settle_s": opts.settle_s,
+                "recover_s": opts.recover_s,
+                "replay": replay,
+            }
+        )
+        for name, got in refs.items():
+            history.add(
+                {
+                    "type": "reference",
+                    "prompt": name,
+                    "output_ids": got["output_ids"],
+                    "logprobs": got["logprobs"],
+                }
+            )
+        load = Load(opts, shared, target.router_url, model, refs)
+        injector = Injector(opts, target, shared, paused, model)
+        load_start = history.now()
+        shared.load.set()
+        load.start()
+        say(history, f"load running; {len(schedule)} fault(s) to inject")
+        for fault in schedule:
+            if shared.sent >= opts.max_requests:
+                say(
+                    history,
+                    f"--max-requests {opts.max_requests} spent: fault #{fault.index} "
+                    "and later not run",
+                )
+                break
+            shared.window = str(fault.index)
+            shared.load.set()
+            wait = max(opts.gap_s, load_start + fault.at_s - history.now())
+            await asyncio.sleep(wait)
+            say(history, f"injecting {fault.describe()}")
+            record = await injector.inject(fault)
+            history.add(record)
+            problems = [p["error"] for p in record["parts"] if p.get("error")]
+            say(
+                history,
+                f"fault #{fault.index} ended after {record['end'] - record['start']:.1f} s"
+                + (f"; FAILED: {problems[0][:300]}" if problems else "")
+                + f"; triage: {chaos_check._triage_text(record)[:200]}",
+            )
+            rec = await recovery(opts, shared, fault.index, record["end"])
+            settled = await settle(target, opts, shared, str(fault.index))
+            rows = [r for r in chaos_check.window_rows(history.records) if r["fault"] is record]
+            row = rows[0]
+            say(
+                history,
+                f"fault #{fault.index}: {row['served']} served, {row['failed']} failed, "
+                f"{row['wrong']} wrong; recovery {chaos_check._seconds(rec['recovered_s'])}; "
+                + (
+                    f"held nothing {settled['settle_s']:.1f} s after the load paused"
+                    if settled["settled"]
+                    else f"NOT SETTLED within {opts.settle_s:g} s: {settled['held']}"
+                ),
+            )
+        shared.window = "final"
+        rest = load_start + opts.duration_s - history.now()
+        if rest > 0 and shared.sent < opts.max_requests and opts.only_fault is None:
+            shared.load.set()
+            say(history, f"load for the {rest:.0f} s left of --duration")
+            await asyncio.sleep(rest)
+        final = await settle(target, opts, shared, "final")
+        state = "held nothing" if final["settled"] else str(final["held"])
+        say(history, f"final settle: {state}")
+    finally:
+        paused.cont_all()
+        if load is not None:
+            await load.stop()
+        history.close()
+    violations = chaos_check.check(history.records)
+    report = chaos_check.render(history.records, violations)
+    (opts.out / "report.md").write_text(report)
+    print(report)
+    if violations:
+        for v in violations:
+            print(f"bench/chaos: seed {opts.seed}: broken: {v.line()}", file=sys.stderr)
+            if v.window != "final":
+                print(
+                    f"  replay: {chaos_check.replay_command({'replay': replay}, v.window)}",
+                    file=sys.stderr,
+                )
+        return 1
+    print(f"bench/chaos: every invariant held; history and report in {opts.out}")
+    return 0
+
+
+# ---- the command line -----------------------------------------------------------------------
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = -1
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"wants a number > 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"wants a whole number >= 0, got {text!r}")
+    return int(text)
+
+
+def _holds(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants MIN,MAX seconds, got {text!r}") from None
+    if not 0 < low <= high:
+        raise argparse.ArgumentTypeError(f"wants 0 < MIN <= MAX, got {text!r}")
+    return low, high
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench/chaos",
+        description="Qualify a running PD stack under random faults and load: a seeded "
+        "schedule of faults, each followed by checks that no greedy request got a wrong "
+        "answer, none hung past its bound, every engine holds nothing once load pauses, and "
+        "triage named the faulted component where requests failed. Writes history.jsonl and "
+        "report.md to --out; exit 0 when every invariant held, 1 when one broke (with the "
+        "command that replays that fault alone), 2 on bad input or a stack that is not up.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--env-dir", type=Path, default=ROOT / "env", help="the stack's env dir")
+    p.add_argument("--seed", type=int, default=0, help="schedule and prompt seed")
+    p.add_argument("--faults", type=_positive(int), default=6, help="faults to draw")
+    p.add_argument(
+        "--duration",
+        type=_positive(float),
+        default=300.0,
+        help="seconds of load over which the faults are planned (a fault waits for the one "
+        "before it to settle)",
+    )
+    p.add_argument(
+        "--kinds",
+        default=",".join(chaos_plan.BUILT),
+        help="comma-separated fault kinds to draw from; "
+        f"catalogue: {', '.join(chaos_plan.CATALOGUE)}",
+    )
+    p.add_argument(
+        "--hold-s",
+        type=_holds,
+        default=chaos_plan.HOLD_S,
+        metavar="MIN,MAX",
+        help="range of a stop fault's hold, in seconds",
+    )
+    p.add_argument("--only-fault", type=_positive(int), help="run only fault K of the schedule")
+    p.add_argument("--dry-run", action="store_true", help="print the schedule and exit")
+    p.add_argument(
+        "--out", type=Path, help="results directory (default: bench/results/chaos-<UTC time>)"
+    )
+    p.add_argument("--short-clients", type=_count, default=2, help="short greedy clients")
+    p.add_argument("--long-clients", type=_count, default=1, help="long-prompt clients")
+    p.add_argument("--session-clients", type=_count, default=1, help="multiround clients")
+    p.add_argument("--short-prompts", type=_positive(int), default=6, help="short prompts")
+    p.add_argument("--long-prompts", type=_positive(int), default=2, help="long prompts")
+    p.add_argument("--short-words", type=_positive(int), default=12, help="words per short prompt")
+    p.add_argument("--long-words", type=_positive(int), default=400, help="words per long prompt")
+    p.add_argument("--short-tokens", type=_positive(int), default=12, help="short max_new_tokens")
+    p.add_argument("--long-tokens", type=_positive(int), default=8, help="long max_new_tokens")
+    p.add_argument("--session-rounds", type=_positive(int), default=4, help="rounds per session")
+    p.add_argument(
+        "--max-requests", type=_positive(int), default=20000, help="requests sent at most"
+    )
+    p.add_argument(
+        "--gap-s", type=_positive(float), default=2.0, help="seconds of load before each fault"
+    )
+    p.add_argument(
+        "--serve-s",
+        type=_positive(float),
+        default=60.0,
+        help="seconds a request may take on a healthy stack; a request's bound is this plus "
+        "the stack's PD timeouts plus the time faults were active while it was out",
+    )
+    p.add_argument(
+        "--settle-s",
+        type=_positive(float),
+        default=60.0,
+        help="seconds after the load pauses within which every engine must hold nothing",
+    )
+    p.add_argument(
+        "--recover-s",
+        type=_positive(float),
+        default=120.0,
+        help="seconds after a fault within which a request must succeed again",
+    )
+    p.add_argument(
+        "--command-timeout-s",
+        type=_positive(float),
+        default=900.0,
+        help="seconds a launch/pd restart or co-restart may take",
+    )
+    p.add_argument(
+        "--wedged-after-s",
+        type=_positive(float),
+        default=WEDGED_AFTER_S,
+        help="triage's threshold for a stopped scheduler; a scheduler-stop shorter than this "
+        "plus 1 s is not triaged",
+    )
+    add_api_key_arg(p)
+    return p
+
+
+def replay_base(args: argparse.Namespace, kinds: list[str]) -> str:
+    """The command that draws the same schedule (without --only-fault)."""
+    low, high = args.hold_s
+    return (
+        f"bench/chaos --env-dir {args.env_dir} --seed {args.seed} --faults {args.faults} "
+        f"--duration {args.duration:g} --kinds {','.join(kinds)} --hold-s {low:g},{high:g}"
+    )
+
+
+def _loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not kinds:
+        p.error("--kinds: name at least one kind")
+    for kind in kinds:
+        if kind not in chaos_plan.CATALOGUE:
+            p.error(
+                f"--kinds: unknown fault kind {kind!r}; the catalogue has "
+                f"{', '.join(chaos_plan.CATALOGUE)}"
+            )
+    if not args.env_dir.is_dir():
+        p.error(f"--env-dir {args.env_dir}: not a directory")
+    try:
+        target = Target(args.env_dir)
+    except (OSError, ValueError) as exc:
+        p.error(str(exc))
+    instances = target.instances()
+    for kind in kinds:
+        why = chaos_plan.refusal(kind, instances)
+        if why:
+            p.error(f"--kinds: {why}")
+    if args.only_fault is not None and args.only_fault > args.faults:
+        p.error(f"--only-fault {args.only_fault}: the schedule has {args.faults} faults")
+    schedule = chaos_plan.draw(args.seed, args.faults, args.duration, kinds, instances, args.hold_s)
+    replay = replay_base(args, kinds)
+    print(f"bench/chaos: seed {args.seed}, schedule ({replay}):")
+    print(chaos_plan.render(schedule), flush=True)
+    if args.only_fault is not None:
+        # Alone, it runs after --gap-s of load, not at its planned time.
+        schedule = [dataclasses.replace(schedule[args.only_fault - 1], at_s=0.0)]
+        print(f"running fault #{args.only_fault} alone", flush=True)
+    if args.dry_run:
+        return 0
+    not_loopback = [url for url in [target.router_url, *target.urls.values()] if not _loopback(url)]
+    if not_loopback:
+        p.error(f"--env-dir {args.env_dir}: not a loopback stack: {', '.join(not_loopback)}")
+    api_key = resolve_api_key(args.api_key, args.env_dir)
+    down = target.not_up(api_key)
+    if down:
+        print(
+            f"bench/chaos: the stack of {args.env_dir} is not up: {'; '.join(down)}. Start it "
+            f"with launch/pd up --env-dir {args.env_dir}",
+            file=sys.stderr,
+        )
+        return 2
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    opts = Options(
+        env_dir=args.env_dir,
+        seed=args.seed,
+        faults=args.faults,
+        duration_s=args.duration,
+        kinds=kinds,
+        holds=args.hold_s,
+        only_fault=args.only_fault,
+        out=args.out or RESULTS / f"chaos-{stamp}",
+        short_clients=args.short_clients,
+        long_clients=args.long_clients,
+        session_clients=args.session_clients,
+        short_prompts=args.short_prompts,
+        long_prompts=args.long_prompts,
+        short_words=args.short_words,
+        long_words=args.long_words,
+        short_tokens=args.short_tokens,
+        long_tokens=args.long_tokens,
+        session_rounds=args.session_rounds,
+        max_requests=args.max_requests,
+        gap_s=args.gap_s,
+        serve_s=args.serve_s,
+        settle_s=args.settle_s,
+        recover_s=args.recover_s,
+        command_timeout_s=args.command_timeout_s,
+        wedged_after_s=args.wedged_after_s,
+        api_key=api_key,
+    )
+    # SIGTERM ends the run as Ctrl-C does: through run()'s finally, which continues every
+    # process this tool stopped.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return asyncio.run(run(opts, target, schedule, replay))
+    except KeyboardInterrupt:
+        print("bench/chaos: interrupted; every process it stopped was continued", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""bench/chaos without engines: the seeded schedule, the invariant checks on histories written
+out here as literal data, the report, and the command line's refusals. The run against a real
+stack is tests/engine/test_cpu_engines.py's chaos test."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.lib import chaos, chaos_check, chaos_plan
+from launch.pdlib import envfiles
+from launch.pdlib.stack import free_loopback_ports
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = {"prefill": ["prefill"], "decode": ["decode"]}
+TWO_BY_TWO = {"prefill": ["prefill/1", "prefill/2"], "decode": ["decode/1", "decode/2"]}
+
+
+def chaos_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "chaos"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# ---- the schedule ---------------------------------------------------------------------------
+
+
+def test_the_same_seed_draws_the_same_schedule_and_another_seed_another():
+    kinds = list(chaos_plan.BUILT)
+    first = chaos_plan.draw(7, 12, 300, kinds, CPU)
+    assert first == chaos_plan.draw(7, 12, 300, kinds, CPU)
+    assert first != chaos_plan.draw(8, 12, 300, kinds, CPU)
+    # The command line prints it the same way from one run to the next (another process).
+    runs = [chaos_cli("--env-dir", "env/cpu", "--seed", "7", "--dry-run") for _ in range(2)]
+    assert runs[0].returncode == 0, runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout
+    other = chaos_cli("--env-dir", "env/cpu", "--seed", "8", "--dry-run")
+    assert other.stdout.splitlines()[1:] != runs[0].stdout.splitlines()[1:]
+    assert re.search(r"^#1 at [\d.]+ s: ", runs[0].stdout, re.M), runs[0].stdout
+
+
+def test_the_schedule_keeps_to_its_kinds_targets_times_and_holds():
+    schedule = chaos_plan.draw(3, 200, 120, list(chaos_plan.BUILT), TWO_BY_TWO, (2.0, 5.0))
+    engines = TWO_BY_TWO["prefill"] + TWO_BY_TWO["decode"]
+    assert [f.index for f in schedule] == list(range(1, 201))
+    assert [f.at_s for f in schedule] == sorted(f.at_s for f in schedule)
+    assert all(0 <= f.at_s < 120 for f in schedule)
+    assert {f.kind for f in schedule} == set(chaos_plan.BUILT)
+    for f in schedule:
+        first = f.parts[0]
+        if first.kind in chaos_plan.STOPS:
+            assert 2.0 <= first.hold_s <= 5.0 and first.target in engines, f
+        if f.kind == "engine-kill":
+            assert first.target in engines and not first.hold_s, f
+        if f.kind in ("router-restart", "co-restart"):
+            assert first.target == {"router-restart": "router", "co-restart": "stack"}[f.kind]
+        if f.kind == "overlap":
+            second = f.parts[1]
+            assert first.kind in chaos_plan.STOPS
+            assert 0 < second.after_s < first.hold_s, f
+            if second.kind == "engine-kill":
+                # The other role's engine: a prefill stopped while a decode is killed, or back.
+                assert first.target.split("/")[0] != second.target.split("/")[0], f
+            else:
+                assert second.target == "router", f
+    only_stops = chaos_plan.draw(3, 50, 120, ["scheduler-stop"], CPU)
+    assert {f.kind for f in only_stops} == {"scheduler-stop"}
+
+
+def test_kinds_a_stack_cannot_run_are_refused_with_their_reason():
+    assert chaos_plan.refusal("scheduler-stop", CPU) is None
+    assert "unknown fault kind 'freeze'" in chaos_plan.refusal("freeze", CPU)
+    assert "not yet built" in chaos_plan.refusal("rolling-restart", TWO_BY_TWO)
+    assert "needs a prefill and a decode" in chaos_plan.refusal("overlap", {"prefill": ["p"]})
+
+
+# ---- the invariants, on literal histories -----------------------------------------------------
+
+
+RUN = {
+    "type": "run",
+    "seed": 7,
+    "env_dir": "env/cpu",
+    "schedule": [{"index": 1}],
+    "serve_s": 60,
+    "pd_timeouts_s": 20,
+    "bound_base_s": 80,
+    "settle_s": 60,
+    "recover_s": 120,
+    "replay": "bench/chaos --env-dir env/cpu --seed 7 --faults 1",
+}
+REFERENCE = {"type": "reference", "prompt": "short/1", "output_ids": [5, 6, 7, 8], "logprobs": []}
+
+
+def fault(triage: dict | None = None, parts: list | None = None) -> dict:
+    return {
+        "type": "fault",
+        "index": 1,
+        "kind": "engine-stop",
+        "describe": "#1 at 3.0 s: engine-stop decode for 5.0 s",
+        "planned_s": 3.0,
+        "start": 10.0,
+        "end": 16.0,
+        "parts": parts or [{"kind": "engine-stop", "target": "decode", "hold_s": 5.0}],
+        "triage": triage or {"ran": False, "why_not": "test"},
+    }
+
+
+def request(rid: str, start: float, end: float, ok: bool = True, **extra) -> dict:
+    record = {
+        "type": "request",
+        "id": rid,
+        "kind": "short",
+        "prompt": "short/1",
+        "window": "1",
+        "start": start,
+        "end": end,
+        "ok": ok,
+        "error": "" if ok else "HTTP 500: failed",
+        "output_ids": [5, 6, 7, 8],
+    }
+    return record | extra
+
+
+def settled(window: str = "1", ok: bool = True, held: dict | None = None) -> dict:
+    return {
+        "type": "settle",
+        "window": window,
+        "paused": 20.0,
+        "settled": ok,
+        "settle_s": 0.5 if ok else 60.2,
+        "bound_s": 60,
+        "held": held or {},
+    }
+
+
+def clean_history() -> list[dict]:
+    return [
+        RUN,
+        REFERENCE,
+        request("short/1#1", 8.0, 9.0),
+        request("short/1#2", 9.5, 30.0),  # waited out the stop: 20.5 s, bound 80 + 6
+        request("short/2#1", 11.0, 12.0, ok=False),
+        request("short/2#2", 16.5, 17.2),
+        fault(),
+        {"type": "recovery", "fault": 1, "recovered_s": 1.2, "bound_s": 120},
+        settled(),
+        settled("final"),
+    ]
+
+
+def test_a_clean_history_passes_every_invariant():
+    assert chaos_check.check(clean_history()) == []
+
+
+def test_a_wrong_answer_is_caught_and_an_error_is_not_one():
+    history = clean_history()
+    history.insert(3, request("short/1#9", 12.0, 13.0, output_ids=[5, 6, 9, 9]))
+    history.insert(3, request("short/1#10", 12.0, 13.0, ok=False, output_ids=[1]))
+    (v,) = chaos_check.check(history)
+    assert v.invariant == chaos_check.WRONG and v.window == "1"
+    assert v.message == (
+        "short/1#9 (short/1) answered 4 tokens that differ from its reference's 4 from token "
+        "2: [9, 9] against [7, 8]"
+    )
+
+
+def test_a_hang_is_caught_naming_the_request_and_its_bound():
+    history = clean_history()
+    # Cut off by the tool at its bound: a hang however long it took.
+    history.insert(3, request("session/1#2", 40.0, 41.0, ok=False, hung=True))
+    # 90 s out, of which the fault (10-16 s) was active 6 s: bound 86 s.
+    history.insert(3, request("long/1#4", 2.0, 92.0, kind="long"))
+    found = chaos_check.check(history)
+    assert [v.invariant for v in found] == [chaos_check.HANG, chaos_check.HANG]
+    assert found[0].message == (
+        "long/1#4 (long, sent at 2.0 s) took 90.0 s: its bound is 86.0 s (80 s base + 6.0 s "
+        "of faults while it was out)"
+    )
+    assert found[1].message.startswith("session/1#2 (short, sent at 40.0 s) took 1.0 s and was cut")
+
+
+def test_kv_held_after_the_settle_bound_is_caught():
+    history = clean_history()
+    history[-2] = settled(ok=False, held={"decode": "num_used_tokens=2400"})
+    (v,) = chaos_check.check(history)
+    assert v.invariant == chaos_check.HELD and v.window == "1"
+    assert v.message == (
+        "not every engine held nothing within 60 s of the load pausing: decode: "
+        "num_used_tokens=2400"
+    )
+
+
+def test_a_process_left_by_a_killed_engine_is_caught():
+    history = clean_history()
+    part = {"kind": "engine-kill", "target": "prefill", "left": ["pid 4242 (python, sleeping)"]}
+    history[6] = fault(parts=[part])
+    (v,) = chaos_check.check(history)
+    assert v.invariant == chaos_check.HELD
+    assert v.message == (
+        "engine-kill prefill: process(es) of the killed engine still alive: pid 4242 "
+        "(python, sleeping)"
+    )
+
+
+def test_failed_requests_that_triage_did_not_name_are_caught():
+    history = clean_history()
+    wrong = {"ran": True, "verdict": "inconclusive", "reason": "?", "expected": ["decode"]}
+    history[6] = fault(triage=wrong | {"named": []})
+    (v,) = chaos_check.check(history)
+    assert v.invariant == chaos_check.NAMED
+    assert v.message.startswith("1 request(s) failed and triage read `inconclusive`, naming none")
+    history[6] = fault(triage=wrong | {"verdict": "engine unresponsive", "named": ["decode"]})
+    assert chaos_check.check(history) == []
+    # Without a failed request, triage's verdict is recorded, not judged.
+    history = [r for r in history if r.get("ok", True)]
+    history[5] = fault(triage=wrong | {"named": []})
+    assert chaos_check.check(history) == []
+
+
+def test_no_recovery_and_a_failed_restart_are_caught():
+    history = clean_history()
+    history[7] = {"type": "recovery", "fault": 1, "recovered_s": None, "bound_s": 120}
+    part = {"kind": "engine-kill", "target": "decode", "error": "launch/pd restart exited 1"}
+    history[6] = fault(parts=[part])
+    found = chaos_check.check(history)
+    assert [(v.invariant, v.message) for v in found] == [
+        (chaos_check.FAULT_RAN, "engine-kill decode: launch/pd restart exited 1"),
+        (chaos_check.RECOVERED, "no request succeeded within 120 s of the fault ending"),
+    ]
+
+
+def test_a_live_bound_counts_the_fault_now_active():
+    shared = chaos.Shared(chaos.History.__new__(chaos.History), 80.0)
+    shared.history.records = clean_history()
+    assert shared.bound(0.0, 20.0) == 86.0
+    shared.active_since = 50.0
+    assert shared.bound(40.0, 65.0) == 95.0
+
+
+# ---- the report -----------------------------------------------------------------------------
+
+
+def test_the_report_counts_per_kind_and_gives_the_replay_of_a_broken_fault():
+    history = clean_history()
+    report = chaos_check.render(history, chaos_check.check(history))
+    assert "**Result: every invariant held.**" in report
+    assert "| engine-stop | 1 | 3 | 1 | 0 | 0 | 1.2 s | 0.5 s |" in report, (
+        report
+    )  # served 3, failed 1, wrong 0, hung 0, recovery 1.2 s, settle 0.5 s
+    assert "| 1 | engine-stop decode for 5.0 s | 10.0-16.0 s | 3 / 1 | 1.2 s | 0.5 s |" in report
+    assert "Final settle: held nothing after 0.5 s." in report
+    history.insert(3, request("short/1#9", 12.0, 13.0, output_ids=[1, 2, 3, 4]))
+    broken = chaos_check.check(history)
+    report = chaos_check.render(history, broken)
+    assert "**Result: 1 broken invariant(s).**" in report
+    assert "| engine-stop | 1 | 3 | 1 | 1 | 0 | 1.2 s | 0.5 s |" in report, report
+    assert "  replay: `bench/chaos --env-dir env/cpu --seed 7 --faults 1 --only-fault 1`" in report
+
+
+# ---- the command line -----------------------------------------------------------------------
+
+
+def test_help_lists_every_option_with_its_default():
+    text = " ".join(chaos.parser().format_help().split("options:", 1)[1].split())
+    for action in chaos.parser()._actions:
+        if action.dest in ("help", "api_key", "dry_run", "only_fault", "out"):
+            continue
+        option = action.option_strings[-1]
+        after = text.split(option + " ", 1)[1]
+        block = re.split(r" --[a-z]", after, maxsplit=1)[0]
+        assert "(default: " in block, (option, block)
+    assert "(default: bench/results/chaos-<UTC time>)" in text
+
+
+def test_bad_input_is_refused_with_a_message_naming_it(tmp_path, capsys):
+    cases = [
+        (("--env-dir", "env/cpu", "--kinds", "freeze"), "--kinds: unknown fault kind 'freeze'"),
+        (("--env-dir", "env/cpu", "--kinds", "rolling-restart"), "rolling-restart: not yet built"),
+        (("--env-dir", str(tmp_path / "none")), "not a directory"),
+        (("--env-dir", "env/cpu", "--faults", "2", "--only-fault", "3"), "has 2 faults"),
+        (("--env-dir", "env/cpu", "--hold-s", "5,2"), "wants 0 < MIN <= MAX"),
+        (("--env-dir", "env/cpu", "--faults", "0"), "wants a number > 0"),
+    ]
+    for args, said in cases:
+        with pytest.raises(SystemExit) as ended:
+            chaos.main(list(args))
+        err = capsys.readouterr().err
+        assert ended.value.code == 2 and said in err, (args, err)
+
+
+def test_a_stack_that_is_not_up_is_refused_before_anything_starts(tmp_path, capsys):
+    env_dir = tmp_path / "env"
+    shutil.copytree(ROOT / "env" / "cpu", env_dir)
+    prefill, boot, decode, router, prom = free_loopback_ports(5)
+    envfiles.set_values(
+        env_dir / "common.env",
+        {
+            "PREFILL_PORT": str(prefill),
+            "PREFILL_BOOTSTRAP_PORT": str(boot),
+            "DECODE_PORT": str(decode),
+            "ROUTER_PORT": str(router),
+            "ROUTER_PROMETHEUS_PORT": str(prom),
+            "PD_RUN_DIR": str(tmp_path / "run"),
+        },
+    )
+    out = tmp_path / "out"
+    assert chaos.main(["--env-dir", str(env_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"the stack of {env_dir} is not up: prefill http://127.0.0.1:{prefill}/health" in err
+    assert f"Start it with launch/pd up --env-dir {env_dir}" in err
+    assert not out.exists()
