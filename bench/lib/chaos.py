@@ -218,7 +218,9 @@ class Load:
 
     async def _turn(self) -> bool:
         """Wait until the load runs; False once the run is over or the count is spent."""
-        await self.shared.load.wait()
+        # A client woken by the event's set() may run after a clear(): look again.
+        while not self.shared.load.is_set():
+            await self.shared.load.wait()
         if self.shared.done or self.shared.sent >= self.opts.max_requests:
             return False
         self.shared.sent += 1
@@ -504,14 +506,16 @@ class Injector:
             elif part.kind == "engine-kill":
                 await self._kill(part, record, triage_for, fault)
             else:
-                group = [p for name in self.target.urls for p in self.target.group(name)]
+                restarted = ["router"] if part.kind == "router-restart" else self.target.stack.roles
+                group = [p for name in restarted for p in self.target.group(name)]
+                files = loadfiles.open_by(group)
                 verb = ["restart", "router"] if part.kind == "router-restart" else ["co-restart"]
                 rc, out = await self.command(*verb)
                 record["rc"], record["output"] = rc, out[-2000:]
                 if rc != 0:
                     record["error"] = f"launch/pd {' '.join(verb)} exited {rc}: {out[-600:]}"
-                if part.kind == "co-restart":
-                    record["left"] = [describe(p) for p in alive(group)]
+                record["left"] = [describe(p) for p in alive(group)]
+                record["files_left"] = sorted(f for f in files if os.path.exists(f))
         except (psutil.Error, OSError) as exc:
             record["error"] = f"{type(exc).__name__}: {exc}"
         finally:
@@ -544,8 +548,8 @@ class Injector:
         else:
             procs = group
             after = 0.5
-        self.paused.stop(procs)
         try:
+            self.paused.stop(procs)
             await self._hold(part, record, triage_for, fault, after)
         finally:
             self.paused.cont(procs)
@@ -650,7 +654,11 @@ async def recovery(opts: Options, shared: Shared, fault: int, since: float) -> d
     """The first success among requests sent after the fault ended."""
     history = shared.history
     recovered = None
-    while history.now() - since <= opts.recover_s and shared.sent < opts.max_requests:
+    while history.now() - since <= opts.recover_s:
+        if shared.sent >= opts.max_requests:
+            record = {"type": "recovery", "fault": fault, "recovered_s": None}
+            history.add(record | {"skipped": f"--max-requests {opts.max_requests} spent"})
+            return history.records[-1]
         firsts = [
             r["end"]
             for r in history.records

@@ -127,8 +127,8 @@ def held(history: list[dict]) -> list[Violation]:
     for f in _of(history, "fault"):
         for p in f["parts"]:
             for key, what in (
-                ("left", "process(es) of the killed engine still alive"),
-                ("files_left", "load snapshot file(s) of the killed engine left"),
+                ("left", "process(es) of the stopped instance still alive"),
+                ("files_left", "load snapshot file(s) of the stopped engine left"),
                 ("still_stopped", "process(es) still stopped after SIGCONT"),
             ):
                 if p.get(key):
@@ -170,7 +170,7 @@ def unnamed(history: list[dict]) -> list[Violation]:
 def unrecovered(history: list[dict]) -> list[Violation]:
     found = []
     for r in _of(history, "recovery"):
-        if r["recovered_s"] is None:
+        if r["recovered_s"] is None and not r.get("skipped"):
             found.append(
                 Violation(
                     RECOVERED,

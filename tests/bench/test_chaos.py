@@ -207,7 +207,7 @@ def test_a_process_left_by_a_killed_engine_is_caught():
     (v,) = chaos_check.check(history)
     assert v.invariant == chaos_check.HELD
     assert v.message == (
-        "engine-kill prefill: process(es) of the killed engine still alive: pid 4242 "
+        "engine-kill prefill: process(es) of the stopped instance still alive: pid 4242 "
         "(python, sleeping)"
     )
 
