@@ -113,6 +113,7 @@ class Options:
     session_rounds: int
     max_requests: int
     gap_s: float
+    error_pause_s: float
     serve_s: float
     settle_s: float
     recover_s: float
@@ -246,6 +247,12 @@ class Load:
         finally:
             shared.inflight -= 1
 
+    async def _after(self, record: dict) -> None:
+        """A client pauses after an error, as a real one backs off: a router that answers 503
+        at once would otherwise turn an outage into thousands of requests a second."""
+        if not record["ok"]:
+            await asyncio.sleep(self.opts.error_pause_s)
+
     def _record(self, rid: str, kind: str, prompt: str, window: str, result, start, end) -> dict:
         record = {
             "type": "request",
@@ -285,7 +292,10 @@ class Load:
                 n += 1
                 window = self.shared.window
                 result, start, end = await self._bounded(generate(s, self.url, prompt.body))
-                self._record(f"{client}#{n}", kind, prompt.name, window, result, start, end)
+                record = self._record(
+                    f"{client}#{n}", kind, prompt.name, window, result, start, end
+                )
+                await self._after(record)
 
     async def _sessions(self, client: str, kind: str, index: int) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -310,6 +320,7 @@ class Load:
                     name = f"session/{index}.{session_no} round {rnd}"
                     record = self._record(f"{client}#{n}", kind, name, window, result, start, end)
                     if not record["ok"]:
+                        await self._after(record)
                         break
                     messages += [
                         {"role": "assistant", "content": out.text},
@@ -456,16 +467,20 @@ class Injector:
 
     async def run_triage(self, fault: chaos_plan.Fault) -> dict:
         expected = [t for t in fault.targets() if t in self.target.urls]
-        verdict = await triage(
-            self.target.router_url,
-            self.target.clients,
-            fast_s=2.0,
-            window_s=1.0,
-            probe_timeout_s=TRIAGE_PROBE_S,
-            model=self.model,
-            api_key=self.opts.api_key,
-            wedged_after_s=self.opts.wedged_after_s,
-        )
+        try:
+            verdict = await triage(
+                self.target.router_url,
+                self.target.clients,
+                fast_s=2.0,
+                window_s=1.0,
+                probe_timeout_s=TRIAGE_PROBE_S,
+                model=self.model,
+                api_key=self.opts.api_key,
+                wedged_after_s=self.opts.wedged_after_s,
+            )
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            why = redact(f"triage failed: {type(exc).__name__}: {exc}", self.opts.api_key)
+            return {"ran": False, "why_not": why}
         named = [
             t
             for t in expected
@@ -724,6 +739,9 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                 "env_dir": str(opts.env_dir),
                 "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "schedule": [f.to_json() for f in schedule],
+                "kinds": opts.kinds,
+                "holds_s": list(opts.holds),
+                "duration_s": opts.duration_s,
                 "serve_s": opts.serve_s,
                 "pd_timeouts_s": pd_timeouts,
                 "bound_base_s": shared.base_bound_s,
@@ -767,7 +785,7 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                 history,
                 f"fault #{fault.index} ended after {record['end'] - record['start']:.1f} s"
                 + (f"; FAILED: {problems[0][:300]}" if problems else "")
-                + f"; triage: {chaos_check._triage_text(record)[:200]}",
+                + f"; triage: {chaos_check.triage_text(record)[:200]}",
             )
             rec = await recovery(opts, shared, fault.index, record["end"])
             settled = await settle(target, opts, shared, str(fault.index))
@@ -857,7 +875,12 @@ def parser() -> argparse.ArgumentParser:
         "command that replays that fault alone), 2 on bad input or a stack that is not up.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--env-dir", type=Path, default=ROOT / "env", help="the stack's env dir")
+    p.add_argument(
+        "--env-dir",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="the stack's env dir (default: this checkout's env/)",
+    )
     p.add_argument("--seed", type=int, default=0, help="schedule and prompt seed")
     p.add_argument("--faults", type=_positive(int), default=6, help="faults to draw")
     p.add_argument(
@@ -876,14 +899,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hold-s",
         type=_holds,
-        default=chaos_plan.HOLD_S,
+        default=",".join(f"{s:g}" for s in chaos_plan.HOLD_S),
         metavar="MIN,MAX",
         help="range of a stop fault's hold, in seconds",
     )
-    p.add_argument("--only-fault", type=_positive(int), help="run only fault K of the schedule")
-    p.add_argument("--dry-run", action="store_true", help="print the schedule and exit")
     p.add_argument(
-        "--out", type=Path, help="results directory (default: bench/results/chaos-<UTC time>)"
+        "--only-fault",
+        type=_positive(int),
+        metavar="K",
+        default=argparse.SUPPRESS,
+        help="run only fault K of the schedule, after --gap-s of load (default: all)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print the schedule and exit (default: off)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="results directory (default: bench/results/chaos-<UTC time>)",
     )
     p.add_argument("--short-clients", type=_count, default=2, help="short greedy clients")
     p.add_argument("--long-clients", type=_count, default=1, help="long-prompt clients")
@@ -900,6 +937,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gap-s", type=_positive(float), default=2.0, help="seconds of load before each fault"
+    )
+    p.add_argument(
+        "--error-pause-s",
+        type=_positive(float),
+        default=0.5,
+        help="seconds a client waits after a failed request before its next",
     )
     p.add_argument(
         "--serve-s",
@@ -934,6 +977,8 @@ def parser() -> argparse.ArgumentParser:
         "plus 1 s is not triaged",
     )
     add_api_key_arg(p)
+    # Its help says its default; the formatter would add "(default: None)".
+    p.set_defaults(api_key=argparse.SUPPRESS)
     return p
 
 
@@ -959,6 +1004,11 @@ def _loopback(url: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    args.env_dir = getattr(args, "env_dir", ROOT / "env")
+    args.only_fault = getattr(args, "only_fault", None)
+    args.dry_run = getattr(args, "dry_run", False)
+    args.out = getattr(args, "out", None)
+    args.api_key = getattr(args, "api_key", None)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not kinds:
         p.error("--kinds: name at least one kind")
@@ -1025,6 +1075,7 @@ def main(argv: list[str] | None = None) -> int:
         session_rounds=args.session_rounds,
         max_requests=args.max_requests,
         gap_s=args.gap_s,
+        error_pause_s=args.error_pause_s,
         serve_s=args.serve_s,
         settle_s=args.settle_s,
         recover_s=args.recover_s,

@@ -272,14 +272,14 @@ def test_the_report_counts_per_kind_and_gives_the_replay_of_a_broken_fault():
 
 def test_help_lists_every_option_with_its_default():
     text = " ".join(chaos.parser().format_help().split("options:", 1)[1].split())
-    for action in chaos.parser()._actions:
-        if action.dest in ("help", "api_key", "dry_run", "only_fault", "out"):
-            continue
-        option = action.option_strings[-1]
-        after = text.split(option + " ", 1)[1]
-        block = re.split(r" --[a-z]", after, maxsplit=1)[0]
-        assert "(default: " in block, (option, block)
+    options = [a.option_strings[-1] for a in chaos.parser()._actions if a.dest != "help"]
+    # Each option's entry: from its name to the next option's, in the order --help lists them.
+    for option, following in zip(options, [*options[1:], None], strict=True):
+        entry = text.split(option + " ", 1)[1]
+        entry = entry.split(" " + following + " ", 1)[0] if following else entry
+        assert "(default: " in entry, (option, entry)
     assert "(default: bench/results/chaos-<UTC time>)" in text
+    assert "(default: None)" not in text
 
 
 def test_bad_input_is_refused_with_a_message_naming_it(tmp_path, capsys):
