@@ -249,7 +249,7 @@ def window_rows(history: list[dict]) -> list[dict]:
     return rows
 
 
-def _triage_text(f: dict) -> str:
+def triage_text(f: dict) -> str:
     t = f.get("triage") or {}
     if not t.get("ran"):
         return f"not run: {t.get('why_not', '')}"
@@ -264,7 +264,7 @@ def render(history: list[dict], violations: list[Violation]) -> str:
         "# bench/chaos report",
         "",
         f"Seed {run.get('seed')}, {len(rows)} fault(s) run of {len(run.get('schedule', []))} "
-        f"drawn, stack `{run.get('env_dir')}`.",
+        f"drawn, stack `{run.get('env_dir')}`; the schedule: `{run.get('replay')}`.",
         f"Bounds: a request's {run.get('bound_base_s', 0):g} s (serving allowance "
         f"{run.get('serve_s', 0):g} s + PD timeouts {run.get('pd_timeouts_s', 0):g} s) plus "
         f"the time faults were active while it was out; settle {run.get('settle_s', 0):g} s; "
@@ -309,7 +309,7 @@ def render(history: list[dict], violations: list[Violation]) -> str:
         lines.append(
             f"| {f['index']} | {f['describe'].split(': ', 1)[-1]} "
             f"| {f['start']:.1f}-{f['end']:.1f} s | {row['served']} / {row['failed']} "
-            f"| {_seconds(row['recovery'])} | {_seconds(row['settle'])} | {_triage_text(f)} |"
+            f"| {_seconds(row['recovery'])} | {_seconds(row['settle'])} | {triage_text(f)} |"
         )
     final = [s for s in _of(history, "settle") if s["window"] == "final"]
     if final:
