@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -319,3 +320,33 @@ def test_a_stack_that_is_not_up_is_refused_before_anything_starts(tmp_path, caps
     assert f"the stack of {env_dir} is not up: prefill http://127.0.0.1:{prefill}/health" in err
     assert f"Start it with launch/pd up --env-dir {env_dir}" in err
     assert not out.exists()
+
+
+def test_triage_runs_where_it_can_name_the_fault_and_says_why_not_elsewhere():
+    injector = chaos.Injector.__new__(chaos.Injector)
+    injector.opts = types.SimpleNamespace(wedged_after_s=10.0)
+
+    def plan(*parts: chaos_plan.Part):
+        return injector.triage_plan(chaos_plan.Fault(1, parts[0].kind, 0.0, parts))
+
+    short = chaos_plan.Part("scheduler-stop", "decode", hold_s=10.9)
+    assert plan(short) == (
+        None,
+        "the 10.9 s hold is shorter than triage needs to tell a stopped scheduler from a busy "
+        "one (--wedged-after-s 10 s + 1 s)",
+    )
+    long = chaos_plan.Part("scheduler-stop", "decode", hold_s=11.0)
+    assert plan(long) == (long, "")
+    stop = chaos_plan.Part("engine-stop", "prefill", hold_s=2.0)
+    assert plan(stop, chaos_plan.Part("router-restart", "router", after_s=1.0)) == (stop, "")
+    assert plan(chaos_plan.Part("router-restart", "router")) == (
+        None,
+        "it has no verdict for a router that is down (it reads the engines, which answer)",
+    )
+    assert plan(chaos_plan.Part("co-restart", "stack"))[1].startswith("every component restarts")
+
+
+def test_a_recovery_not_waited_for_once_the_request_budget_is_spent_is_no_violation():
+    history = clean_history()
+    history[7] = {"type": "recovery", "fault": 1, "recovered_s": None, "skipped": "spent"}
+    assert chaos_check.check(history) == []
