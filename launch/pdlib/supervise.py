@@ -105,8 +105,8 @@ def tail(path: Path, lines: int) -> list[str]:
 
 
 class LocalSupervisor:
-    """Each instance is a process group started detached; pid file and log under the run dir,
-    named by its key (decode, or decode-2 for instance 2 of several)."""
+    """Each instance is a process group of its own, in the caller's session; pid file and log
+    under the run dir, named by its key (decode, or decode-2 for instance 2 of several)."""
 
     kind = "local"
 
@@ -166,13 +166,19 @@ class LocalSupervisor:
             f"{' (sim)' if self.stack.sim else ''}\n".encode()
         )
         log.flush()
+        # A process group of its own (stopped and signalled as one), in the caller's session,
+        # not a new one: with the kernel's autogroup scheduling (on by default in Debian's and
+        # Ubuntu's kernels), each session is one scheduling group and a thread's nice value
+        # only counts inside its group. An engine in a session of its own would give its NIXL
+        # progress thread, polling at nice 19 (SGLANG_DISAGGREGATION_NIXL_THREAD_NICE) while
+        # the engine waits, a whole group's share of the CPU against the engine that computes.
         proc = subprocess.Popen(
             cmd,
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,
         )
         log.close()
         record = {

@@ -82,6 +82,16 @@ def test_router_pairs_prefill_and_decode_on_the_same_bootstrap_room(sim_stack: S
     assert len(set(decode_rooms[-3:])) == 3
 
 
+def test_each_role_is_a_process_group_of_its_own_in_the_callers_session(sim_stack: SimStack):
+    """Stopped as a group, scheduled with its caller: in a session of its own (its own autogroup
+    under the kernel's autogroup scheduling) a nice-19 NIXL progress thread polling in an idle
+    engine would take a whole group's share of the CPU (launch/pdlib/supervise.py)."""
+    for role in ("prefill", "decode", "router"):
+        pid = sim_stack.pid(role)
+        assert os.getpgid(pid) == pid, role
+        assert os.getsid(pid) == os.getsid(0), role
+
+
 def test_verify_status_probe_metrics_report_a_healthy_stack_without_the_secret(sim_stack):
     for verb in ("verify", "status", "probe", "metrics"):
         done = sim_stack.pd(verb)
