@@ -864,6 +864,14 @@ def _holds(text: str) -> tuple[float, float]:
     return low, high
 
 
+class _DefaultsInHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Every default in --help: the formatter's, or for an option whose default is worked out
+    at run time (None), the words its own help gives."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench/chaos",
@@ -873,7 +881,7 @@ def parser() -> argparse.ArgumentParser:
         "triage named the faulted component where requests failed. Writes history.jsonl and "
         "report.md to --out; exit 0 when every invariant held, 1 when one broke (with the "
         "command that replays that fault alone), 2 on bad input or a stack that is not up.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsInHelp,
     )
     p.add_argument(
         "--env-dir",
@@ -928,7 +936,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--short-prompts", type=_positive(int), default=6, help="short prompts")
     p.add_argument("--long-prompts", type=_positive(int), default=2, help="long prompts")
     p.add_argument("--short-words", type=_positive(int), default=12, help="words per short prompt")
-    p.add_argument("--long-words", type=_positive(int), default=400, help="words per long prompt")
+    p.add_argument("--long-words", type=_positive(int), default=150, help="words per long prompt")
     p.add_argument("--short-tokens", type=_positive(int), default=12, help="short max_new_tokens")
     p.add_argument("--long-tokens", type=_positive(int), default=8, help="long max_new_tokens")
     p.add_argument("--session-rounds", type=_positive(int), default=4, help="rounds per session")
@@ -977,8 +985,6 @@ def parser() -> argparse.ArgumentParser:
         "plus 1 s is not triaged",
     )
     add_api_key_arg(p)
-    # Its help says its default; the formatter would add "(default: None)".
-    p.set_defaults(api_key=argparse.SUPPRESS)
     return p
 
 
@@ -1008,16 +1014,17 @@ def main(argv: list[str] | None = None) -> int:
     args.only_fault = getattr(args, "only_fault", None)
     args.dry_run = getattr(args, "dry_run", False)
     args.out = getattr(args, "out", None)
-    args.api_key = getattr(args, "api_key", None)
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if not kinds:
+    given = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not given:
         p.error("--kinds: name at least one kind")
-    for kind in kinds:
+    for kind in given:
         if kind not in chaos_plan.CATALOGUE:
             p.error(
                 f"--kinds: unknown fault kind {kind!r}; the catalogue has "
                 f"{', '.join(chaos_plan.CATALOGUE)}"
             )
+    # In the catalogue's order: the schedule depends on which kinds, not on how they were listed.
+    kinds = [k for k in chaos_plan.CATALOGUE if k in given]
     if not args.env_dir.is_dir():
         p.error(f"--env-dir {args.env_dir}: not a directory")
     try:

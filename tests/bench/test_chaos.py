@@ -350,3 +350,17 @@ def test_a_recovery_not_waited_for_once_the_request_budget_is_spent_is_no_violat
     history = clean_history()
     history[7] = {"type": "recovery", "fault": 1, "recovered_s": None, "skipped": "spent"}
     assert chaos_check.check(history) == []
+
+
+def test_the_schedule_depends_on_which_kinds_not_on_their_order(capsys):
+    printed = []
+    for kinds in (
+        "router-restart,engine-stop,scheduler-stop",
+        "scheduler-stop,engine-stop,router-restart",
+    ):
+        assert (
+            chaos.main(["--env-dir", "env/cpu", "--seed", "6", "--kinds", kinds, "--dry-run"]) == 0
+        )
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1]
+    assert "--kinds scheduler-stop,engine-stop,router-restart " in printed[0]
