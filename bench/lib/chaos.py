@@ -801,15 +801,24 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                     else f"NOT SETTLED within {opts.settle_s:g} s: {settled['held']}"
                 ),
             )
-        shared.window = "final"
-        rest = load_start + opts.duration_s - history.now()
-        if rest > 0 and shared.sent < opts.max_requests and opts.only_fault is None:
-            shared.load.set()
-            say(history, f"load for the {rest:.0f} s left of --duration")
-            await asyncio.sleep(rest)
-        final = await settle(target, opts, shared, "final")
-        state = "held nothing" if final["settled"] else str(final["held"])
-        say(history, f"final settle: {state}")
+            if rec["recovered_s"] is None and not rec.get("skipped") or not settled["settled"]:
+                # A stack that did not come back has nothing more to qualify: a later fault
+                # would only fault what is already down.
+                later = [f.index for f in schedule if f.index > fault.index]
+                why = "did not recover" if rec["recovered_s"] is None else "did not settle"
+                history.add({"type": "stop", "after": fault.index, "why": why, "not_run": later})
+                say(history, f"the stack {why} after fault #{fault.index}: the run stops here")
+                break
+        else:
+            shared.window = "final"
+            rest = load_start + opts.duration_s - history.now()
+            if rest > 0 and shared.sent < opts.max_requests and opts.only_fault is None:
+                shared.load.set()
+                say(history, f"load for the {rest:.0f} s left of --duration")
+                await asyncio.sleep(rest)
+            final = await settle(target, opts, shared, "final")
+            state = "held nothing" if final["settled"] else str(final["held"])
+            say(history, f"final settle: {state}")
     finally:
         paused.cont_all()
         if load is not None:

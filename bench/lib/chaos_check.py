@@ -311,6 +311,13 @@ def render(history: list[dict], violations: list[Violation]) -> str:
             f"| {f['start']:.1f}-{f['end']:.1f} s | {row['served']} / {row['failed']} "
             f"| {_seconds(row['recovery'])} | {_seconds(row['settle'])} | {triage_text(f)} |"
         )
+    for stop in _of(history, "stop"):
+        later = ", ".join(f"#{i}" for i in stop["not_run"]) or "none"
+        lines += [
+            "",
+            f"The run stopped after fault #{stop['after']}: the stack {stop['why']}. Faults not "
+            f"run: {later}.",
+        ]
     final = [s for s in _of(history, "settle") if s["window"] == "final"]
     if final:
         s = final[0]
