@@ -66,6 +66,10 @@ _BYTES_PER_TOKEN = _TOKEN_DATA_STRIDE + _SCALE_STRIDE  # 584
 # interpreted runs widen the operands to fp32 first. The widening is exact and p is still rounded
 # to bf16, so interpreted and compiled runs compute the same products.
 _DOT_DTYPE = tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
+# The interpreter's cost is per operation, not per byte moved: interpreted runs skip a tile's
+# loads when the tile holds no token (a tile past the request's topk lengths: most of a c4 or
+# c128 list at short contexts), returning what the masked loads would (see _gather_tile).
+_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 
 @triton.jit
@@ -132,6 +136,7 @@ def _gather_tile(
     SWA_PAGE: tl.constexpr,
     EXT_PAGE: tl.constexpr,
     NOPE_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """Issue the loads of one tile's KV rows, grouped by 64-column slice of the head dim:
     (nope fp8 [8, T, 64], rope bf16 [1, T, 64], scale words int64 [T], valid [T]).
@@ -143,6 +148,17 @@ def _gather_tile(
     a shift, not a division in the loop.
     """
     valid = idx >= 0
+    if _INTERPRETED:
+        # Every load below is masked by `valid`: with no valid row they return their `other`
+        # values, built here without the loads. Compiled code always issues them (they move no
+        # bytes), so that its one-tile-ahead pipeline has no branch.
+        if tl.max(valid.to(tl.int32), axis=0) == 0:
+            return (
+                tl.zeros([8, BLOCK_T, 64], dtype=tl.float8e4nv),
+                tl.zeros([1, BLOCK_T, 64], dtype=tl.bfloat16),
+                tl.full([BLOCK_T], 0x7F7F7F7F7F7F7F7F, dtype=tl.int64),
+                valid,
+            )
     safe = tl.where(valid, idx, 0).to(tl.uint32)
     cache = swa_cache
     page = (safe // SWA_PAGE).to(tl.int64)
@@ -356,7 +372,7 @@ def _sparse_decode_split_kernel(
     )  # fmt: skip
     nope, rope, words, valid = _gather_tile(
         idx, is_swa, swa_cache, swa_page_bytes, ext_cache, ext_page_bytes,
-        HAS_EXTRA, SWA_PAGE, EXT_PAGE, NOPE_DIM,
+        HAS_EXTRA, SWA_PAGE, EXT_PAGE, NOPE_DIM, BLOCK_T,
     )  # fmt: skip
     idx, is_swa = _unit_slots(
         share_lo + 1, share_hi, tiles_per_row, head_blocks, swa_tiles, swa_idx, stride_swa_ib,
@@ -377,7 +393,7 @@ def _sparse_decode_split_kernel(
         for unit in range(seg_lo, seg_hi):
             next_nope, next_rope, next_words, next_valid = _gather_tile(
                 idx, is_swa, swa_cache, swa_page_bytes, ext_cache, ext_page_bytes,
-                HAS_EXTRA, SWA_PAGE, EXT_PAGE, NOPE_DIM,
+                HAS_EXTRA, SWA_PAGE, EXT_PAGE, NOPE_DIM, BLOCK_T,
             )  # fmt: skip
             idx, is_swa = _unit_slots(
                 unit + 2, share_hi, tiles_per_row, head_blocks, swa_tiles, swa_idx,
