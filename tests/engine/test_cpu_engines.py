@@ -1058,6 +1058,61 @@ def test_decode_killed_mid_stream_the_client_sees_an_error_and_co_restart_recove
     THROUGH_PD["after co-restart"] = cpu_stack.post("/generate", GREEDY)["output_ids"]
 
 
+# bench/chaos's CI run: the kinds that leave the engines' processes in place (no restart of an
+# engine, about a minute each here), held 2 to 6 s. Seed 6 draws one of each: engine-stop
+# decode, router-restart, scheduler-stop prefill (its --dry-run prints the schedule). Long
+# prompts of 100 words (527 tokens, 5 prefill chunks here): one of 400 (2166 tokens) took
+# longer than this stack's 10 s waiting timeout on 2 cores shared with another stack.
+CHAOS_KINDS = ("engine-stop", "router-restart", "scheduler-stop")
+CHAOS_ARGS = [
+    *("--seed", "6", "--faults", "3", "--duration", "20", "--hold-s", "2,6"),
+    *("--kinds", ",".join(CHAOS_KINDS), "--settle-s", "40", "--recover-s", "60"),
+    *("--long-words", "100"),
+]
+
+
+def test_chaos_three_seeded_faults_under_load_break_no_invariant(cpu_stack, tmp_path):
+    """bench/chaos with a fixed seed: three faults under short, long and multiround load, each
+    followed by its checks (no wrong answer, no hang, both engines holding nothing once the
+    load pauses, triage naming the faulted engine where requests failed). It exits 0, its
+    history and report hold the three faults with requests in each window, and the stack
+    serves the greedy tokens it served before."""
+    ready(cpu_stack)
+    greedy = cpu_stack.post("/generate", GREEDY)["output_ids"]
+    out = tmp_path / "chaos"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "chaos"), "--env-dir", str(cpu_stack.env_dir)]
+        + [*CHAOS_ARGS, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    print(done.stdout[-5000:])
+    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-3000:]
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    faults = [r for r in history if r["type"] == "fault"]
+    assert [(f["index"], f["kind"]) for f in faults] == [
+        (1, "engine-stop"),
+        (2, "router-restart"),
+        (3, "scheduler-stop"),
+    ]
+    for f in faults:
+        window = [r for r in history if r["type"] == "request" and r["window"] == str(f["index"])]
+        assert any(r["ok"] for r in window), f
+    kinds = {r["kind"] for r in history if r["type"] == "request"}
+    assert kinds == {"short", "long", "session"}, kinds
+    settles = [r for r in history if r["type"] == "settle"]
+    assert [s["window"] for s in settles] == ["1", "2", "3", "final"]
+    assert all(s["settled"] for s in settles), settles
+    report = (out / "report.md").read_text()
+    assert "**Result: every invariant held.**" in report, report
+    for kind in CHAOS_KINDS:
+        assert re.search(rf"^\| {kind} \| 1 \| \d+ \| \d+ \| 0 \| 0 \| ", report, re.M), report
+    serves_a_fresh_request(cpu_stack)
+    assert cpu_stack.post("/generate", GREEDY)["output_ids"] == greedy
+
+
 # ---- down, and PD against a standalone engine ------------------------------------------------
 
 
