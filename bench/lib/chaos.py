@@ -767,11 +767,12 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
         say(history, f"load running; {len(schedule)} fault(s) to inject")
         for fault in schedule:
             if shared.sent >= opts.max_requests:
-                say(
-                    history,
-                    f"--max-requests {opts.max_requests} spent: fault #{fault.index} "
-                    "and later not run",
+                why = f"its --max-requests {opts.max_requests} were sent"
+                later = [f.index for f in schedule if f.index >= fault.index]
+                history.add(
+                    {"type": "stop", "after": fault.index - 1, "why": why, "not_run": later}
                 )
+                say(history, f"{why}: fault #{fault.index} and later not run")
                 break
             shared.window = str(fault.index)
             shared.load.set()
@@ -805,9 +806,10 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                 # A stack that did not come back has nothing more to qualify: a later fault
                 # would only fault what is already down.
                 later = [f.index for f in schedule if f.index > fault.index]
-                why = "did not recover" if rec["recovered_s"] is None else "did not settle"
+                why = "recover" if rec["recovered_s"] is None else "settle"
+                why = f"the stack did not {why}"
                 history.add({"type": "stop", "after": fault.index, "why": why, "not_run": later})
-                say(history, f"the stack {why} after fault #{fault.index}: the run stops here")
+                say(history, f"{why} after fault #{fault.index}: the run stops here")
                 break
         else:
             shared.window = "final"

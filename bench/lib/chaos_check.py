@@ -315,8 +315,8 @@ def render(history: list[dict], violations: list[Violation]) -> str:
         later = ", ".join(f"#{i}" for i in stop["not_run"]) or "none"
         lines += [
             "",
-            f"The run stopped after fault #{stop['after']}: the stack {stop['why']}. Faults not "
-            f"run: {later}.",
+            f"The run stopped after fault #{stop['after']}: {stop['why']}. Faults not run: "
+            f"{later}.",
         ]
     final = [s for s in _of(history, "settle") if s["window"] == "final"]
     if final:

@@ -369,7 +369,8 @@ def test_the_schedule_depends_on_which_kinds_not_on_their_order(capsys):
 def test_a_run_stopped_on_a_stack_that_did_not_come_back_says_which_faults_it_left_out():
     history = clean_history()[:-1]
     history[7] = {"type": "recovery", "fault": 1, "recovered_s": None, "bound_s": 120}
-    history.append({"type": "stop", "after": 1, "why": "did not recover", "not_run": [2, 3]})
+    why = "the stack did not recover"
+    history.append({"type": "stop", "after": 1, "why": why, "not_run": [2, 3]})
     report = chaos_check.render(history, chaos_check.check(history))
     assert (
         "The run stopped after fault #1: the stack did not recover. Faults not run: #2, #3."
