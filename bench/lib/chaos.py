@@ -64,6 +64,8 @@ WAITING_TIMEOUT_DEFAULT_S = 300.0
 TRIAGE_PROBE_S = 3.0
 # Seconds a killed engine's processes may take to be reaped before its restart.
 KILL_EXIT_S = 15.0
+# Tries at each reference request on the healthy stack.
+REFERENCE_TRIES = 3
 
 
 def _now(t0: float) -> float:
@@ -698,20 +700,25 @@ def say(history: History, text: str) -> None:
 
 
 async def references(url: str, opts: Options) -> tuple[dict, str | None]:
-    """Each greedy prompt's answer on the healthy stack, one at a time."""
+    """Each greedy prompt's answer on the healthy stack, one at a time, each within
+    REFERENCE_TRIES tries: on cores shared with other work a long prompt alone has outlasted a
+    10 s PD timeout once. A prompt that fails every try ends the run (the stack does not serve
+    its own load)."""
     refs = {}
     connector = aiohttp.TCPConnector(limit=1)
     timeout = aiohttp.ClientTimeout(total=opts.serve_s)
     headers = auth_headers(opts.api_key)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as s:
         for prompt in greedy_prompts(opts):
-            try:
+            errors = []
+            for _ in range(REFERENCE_TRIES):
                 got = await generate(s, url, prompt.body)
-            except TimeoutError:
-                got = {"ok": False, "error": f"no answer within --serve-s {opts.serve_s:g} s"}
-            if not got["ok"]:
-                return refs, f"{prompt.name}: {redact(got['error'], opts.api_key)}"
-            refs[prompt.name] = got
+                if got["ok"]:
+                    refs[prompt.name] = got
+                    break
+                errors.append(redact(got["error"], opts.api_key))
+            else:
+                return refs, f"{prompt.name}, {REFERENCE_TRIES} tries: " + " | ".join(errors)
     return refs, None
 
 
