@@ -746,6 +746,8 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                 "env_dir": str(opts.env_dir),
                 "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "schedule": [f.to_json() for f in schedule],
+                "faults": opts.faults,
+                "only_fault": opts.only_fault,
                 "kinds": opts.kinds,
                 "holds_s": list(opts.holds),
                 "duration_s": opts.duration_s,

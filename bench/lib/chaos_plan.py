@@ -96,7 +96,6 @@ CATALOGUE = {
 # Kinds this version can run; the others are in the catalogue and refused with their reason.
 BUILT = ("scheduler-stop", "engine-stop", "engine-kill", "router-restart", "co-restart", "overlap")
 STOPS = ("scheduler-stop", "engine-stop")
-COMMANDS = ("engine-kill", "router-restart", "co-restart")
 
 
 @dataclass(frozen=True)
