@@ -6,12 +6,14 @@ the healthy stack before any fault) and multiround chat sessions, through the ro
 come from bench/lib/chaos_plan.py's catalogue, one at a time: the load runs a while, the fault
 is injected and ended, the load runs until a request succeeds again, then pauses (no new
 request; those in flight end) and every engine must hold nothing within the settle bound.
-So each fault has its own window of requests, and a broken invariant is the fault's.
+So each fault has its own window of requests, and a broken invariant is the fault's. A fault
+the stack does not recover or settle from ends the run there: a later fault would only fault
+what is already down.
 
 Everything is bounded: requests by count (--max-requests) and each by the bound its timeouts
 imply (cut off and counted as a hang past it), each restart command by --command-timeout-s,
 recovery by --recover-s, settling by --settle-s. A process this tool stopped is continued
-before it exits, however it exits. Loopback stacks only.
+before it exits, however it exits (SIGTERM and Ctrl-C included). Loopback stacks only.
 """
 
 from __future__ import annotations
