@@ -16,7 +16,14 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tools.entry import require  # noqa: E402
+
+NAME = "bench/kernel/interp_time.py"
+# Under .venv's Python when this one lacks torch, else one line naming it (tools/entry.py).
+require(NAME, "torch", "triton", "sglang", script=__file__)
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
@@ -61,7 +68,7 @@ def call_args(rows: int, heads: int, c4_entries: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="bench/kernel/interp_time.py",
+        prog=NAME,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -458,7 +458,9 @@ class Injector:
             cwd=ROOT,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
+            # Its own process group, in this session: an engine launch/pd restarts stays in the
+            # session the stack runs in (launch/pdlib/supervise.py says why it matters).
+            process_group=0,
         )
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), self.opts.command_timeout_s)

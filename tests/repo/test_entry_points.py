@@ -33,6 +33,7 @@ ENTRY_POINTS = {
     "bench/kernel/microbench": ("works", "needs"),
     "bench/kernel/audit": ("needs", "needs"),
     "bench/kernel/gpu_session": ("works", "works"),
+    "bench/kernel/interp_time.py": ("needs", "needs"),
     "tools/make_tiny_model.py": ("works", "needs"),
     "tools/series.py": ("works", "needs"),
 }
