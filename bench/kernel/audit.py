@@ -165,8 +165,9 @@ def parse_args(argv, targets):
         "--jobs",
         type=int,
         default=min(len(targets), os.cpu_count() or 1),
-        help="targets audited in parallel processes (default: %(default)s: the CPU count, at "
-        "most one per target)",
+        help="processes auditing in parallel (default: %(default)s: the CPU count, at most one "
+        "per target); targets of one architecture share a process, one after the other, so "
+        "that the second finds the kernels the first compiled in Triton's cache",
     )
     p.add_argument(
         "--kernel-dir",
@@ -365,6 +366,23 @@ def _padded_model(mma, torch, dev, shape: Shape, device: str) -> dict:
         "padded_kv_bytes": model["kv_bytes"],
         "padded_mma_bytes": model["mma_bytes"],
     }
+
+
+def audit_targets(keys: tuple[str, ...], *args) -> list[dict]:
+    """Audit targets one after the other in this process: targets of one architecture compile
+    the same kernels, so each after the first finds them in Triton's cache."""
+    return [audit_target(key, *args) for key in keys]
+
+
+def arch_groups(keys: list[str]) -> list[tuple[str, ...]]:
+    """The targets grouped by architecture, in the order each architecture first appears
+    (a key with no virtual target, such as cuda, alone)."""
+    from bench.kernel.lib.virtual_gpu import TARGETS
+
+    groups: dict[object, list[str]] = {}
+    for key in keys:
+        groups.setdefault(TARGETS[key].arch if key in TARGETS else key, []).append(key)
+    return [tuple(g) for g in groups.values()]
 
 
 def audit_target(
@@ -756,15 +774,18 @@ def main(argv=None) -> int:
     start = time.monotonic()
     kernel_dir = str(args.kernel_dir.resolve()) if args.kernel_dir else None
     kit = str(args.kit.resolve()) if args.kit else None
+    # One job per architecture: two processes compiling the same kernels at once (RTX PRO 6000
+    # and RTX 5090 are both sm_120) would each compile them cold.
+    groups = arch_groups(args.targets)
     jobs = [
-        (key, shapes, args.target_ctas, kernel_dir, kit, args.stage1_config) for key in args.targets
+        (keys, shapes, args.target_ctas, kernel_dir, kit, args.stage1_config) for keys in groups
     ]
     scratch = tempfile.TemporaryDirectory(prefix="kernel-audit-")
-    labels = ["audited"] * len(jobs)
+    labels = [["audited"] * len(keys) for keys in groups]
     for rev in args.compare or ():
         rev_dir = _revision_dir(rev, Path(scratch.name) / rev)
-        jobs += [(key, shapes, args.target_ctas, rev_dir, None, None) for key in args.targets]
-        labels += [rev] * len(args.targets)
+        jobs += [(keys, shapes, args.target_ctas, rev_dir, None, None) for keys in groups]
+        labels += [[rev] * len(keys) for keys in groups]
     args.jobs = min(args.jobs, len(jobs))
     print(
         f"kernel_audit: {len(shapes)} shapes x {len(args.targets)} targets, "
@@ -772,7 +793,7 @@ def main(argv=None) -> int:
         flush=True,
     )
     if args.jobs == 1 and not args.compare:
-        results = [audit_target(*job) for job in jobs]
+        results = [audit_targets(*job) for job in jobs]
     else:
         import multiprocessing
 
@@ -783,9 +804,19 @@ def main(argv=None) -> int:
             mp_context=ctx,
             max_tasks_per_child=1 if args.compare else None,
         ) as pool:
-            futures = [pool.submit(audit_target, *job) for job in jobs]
+            futures = [pool.submit(audit_targets, *job) for job in jobs]
             results = [f.result() for f in futures]
     scratch.cleanup()
+    results = [r for group in results for r in group]
+    labels = [label for group in labels for label in group]
+    # Back in the order the targets were given.
+    order = {key: i for i, key in enumerate(args.targets)}
+    revisions = ["audited", *(args.compare or ())]
+    ranked = sorted(
+        zip(labels, results, strict=True),
+        key=lambda lr: (revisions.index(lr[0]), order[lr[1]["target"]["key"]]),
+    )
+    labels, results = [lr[0] for lr in ranked], [lr[1] for lr in ranked]
     compared = [(label, r) for label, r in zip(labels, results, strict=True) if label != "audited"]
     results = [r for label, r in zip(labels, results, strict=True) if label == "audited"]
     problems = []
