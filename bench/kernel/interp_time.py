@@ -28,39 +28,26 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
+from bench.kernel.microbench import _cache as kv_pages  # noqa: E402
+
 SWA_TOPK, C4_TOPK, PAGE, PAGES = 128, 512, 64, 8
-PAGE_BYTES = -(-PAGE * 584 // 576) * 576  # the pool rounds a page up to a multiple of 576
-
-
-def kv_pages(gen: torch.Generator) -> torch.Tensor:
-    """[pages, PAGE, 1, 584] float8 view of seeded pages: FP8 nope, BF16 rope, UE8M0 scales."""
-    raw = torch.zeros(PAGES, PAGE_BYTES, dtype=torch.uint8)
-    data = raw[:, : PAGE * 576].view(PAGES, PAGE, 576)
-    nope = torch.randn(PAGES, PAGE, 448, generator=gen).to(torch.float8_e4m3fn)
-    data[..., :448] = nope.view(torch.uint8)
-    rope = torch.randn(PAGES, PAGE, 64, generator=gen).to(torch.bfloat16)
-    data[..., 448:] = rope.view(torch.uint8).view(PAGES, PAGE, 128)
-    scales = raw[:, PAGE * 576 : PAGE * 584].view(PAGES, PAGE, 8)
-    scales[..., :7] = torch.randint(122, 130, (PAGES, PAGE, 7), generator=gen).to(torch.uint8)
-    return raw.view(torch.float8_e4m3fn).as_strided(
-        (PAGES, PAGE, 1, 584), (PAGE_BYTES, 584, 584, 1)
-    )
 
 
 def call_args(rows: int, heads: int, c4_entries: int) -> dict:
     gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)  # the pages' values (microbench's page maker draws from torch's own)
     tokens = PAGES * PAGE
     c4 = torch.full((rows, 1, C4_TOPK), -1, dtype=torch.int32)
     c4[..., :c4_entries] = torch.randint(0, tokens, (rows, 1, c4_entries), generator=gen)
     return {
         "q": torch.randn(rows, 1, heads, 512, generator=gen).to(torch.bfloat16),
-        "k_cache": kv_pages(gen),
+        "k_cache": kv_pages(torch, tokens, PAGE, "cpu"),
         "indices": torch.randint(0, tokens, (rows, 1, SWA_TOPK), generator=gen, dtype=torch.int32),
         "topk_length": torch.full((rows,), SWA_TOPK, dtype=torch.int32),
         "attn_sink": torch.zeros(heads),
         "head_dim_v": 512,
         "softmax_scale": None,
-        "extra_k_cache": kv_pages(gen),
+        "extra_k_cache": kv_pages(torch, tokens, PAGE, "cpu"),
         "extra_indices": c4,
         "extra_topk_length": torch.full((rows,), c4_entries, dtype=torch.int32),
     }
