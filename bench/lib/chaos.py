@@ -36,7 +36,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import psutil
 
-from bench.lib import chaos_check, chaos_plan
+from bench.lib import chaos_alerts, chaos_check, chaos_plan
+from bench.lib.chaos_proxy import ChaosProxy
 from bench.lib.client import (
     ChatRequest,
     add_api_key_arg,
@@ -48,7 +49,7 @@ from bench.lib.client import (
     stream_chat,
 )
 from bench.lib.stack import stack_from_env_dir
-from bench.lib.triage import triage
+from bench.lib.triage import CONNECTION, triage
 from launch.pdlib import loadfiles, loads
 from launch.pdlib.stack import http, load_stack
 from launch.pdlib.supervise import supervisor_for
@@ -68,6 +69,13 @@ TRIAGE_PROBE_S = 3.0
 KILL_EXIT_S = 15.0
 # Tries at each reference request on the healthy stack.
 REFERENCE_TRIES = 3
+# With --prometheus: the longest a fault is held past its drawn hold for its expected alerts to
+# fire, and the longest they may take to resolve once it ended.
+ALERT_WAIT_S = 300.0
+# Exit status of a run ended by Ctrl-C or SIGTERM (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
+# How long a proxy fault's triage waits for the proxy to forward no request (engines idle).
+PROXY_IDLE_S = 30.0
 
 
 def _now(t0: float) -> float:
@@ -123,6 +131,10 @@ class Options:
     recover_s: float
     command_timeout_s: float
     wedged_after_s: float
+    sim: bool = False
+    model_in_generate: bool = False
+    prometheus: str | None = None
+    alert_wait_s: float = ALERT_WAIT_S
     api_key: str = field(default="", repr=False)
 
 
@@ -157,7 +169,9 @@ class Prompt:
     body: dict
 
 
-def greedy_prompts(opts: Options) -> list[Prompt]:
+def greedy_prompts(opts: Options, model: str = "") -> list[Prompt]:
+    """The greedy prompts; model named in each body when given (smg wants it on /generate
+    when it routes by model, as it does for workers from its discovery file: xPyD)."""
     prompts = []
     for kind, count, words, tokens, offset in (
         ("short", opts.short_prompts, opts.short_words, opts.short_tokens, 0),
@@ -170,6 +184,8 @@ def greedy_prompts(opts: Options) -> list[Prompt]:
                 "sampling_params": {"max_new_tokens": tokens, "temperature": 0},
                 "return_logprob": True,
             }
+            if model:
+                body["model"] = model
             prompts.append(Prompt(f"{kind}/{i}", kind, body))
     return prompts
 
@@ -192,7 +208,11 @@ async def generate(session: aiohttp.ClientSession, url: str, body: dict) -> dict
     if not isinstance(finish, dict) or finish.get("type") not in ("length", "stop"):
         return {"ok": False, "status": 200, "error": f"finished by {json.dumps(finish)[:200]}"}
     logprobs = [x[0] for x in meta.get("output_token_logprobs") or []]
-    return {"ok": True, "status": 200, "output_ids": data.get("output_ids"), "logprobs": logprobs}
+    answer = {"ok": True, "status": 200, "output_ids": data.get("output_ids"), "logprobs": logprobs}
+    if answer["output_ids"] is None:
+        # A simulated engine answers text without token ids: the text is the answer compared.
+        answer["text"] = data.get("text")
+    return answer
 
 
 class Load:
@@ -201,7 +221,7 @@ class Load:
 
     def __init__(self, opts: Options, shared: Shared, url: str, model: str, refs: dict):
         self.opts, self.shared, self.url, self.model, self.refs = opts, shared, url, model, refs
-        self.prompts = greedy_prompts(opts)
+        self.prompts = greedy_prompts(opts, model if opts.model_in_generate else "")
         self.tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -273,6 +293,8 @@ class Load:
             record |= {"ok": result["ok"], "error": result.get("error", "")}
             if "output_ids" in result:
                 record["output_ids"] = result["output_ids"]
+                if "text" in result:
+                    record["text"] = result["text"]
                 want = self.refs.get(prompt, {}).get("logprobs") or []
                 got = result.get("logprobs") or []
                 if result["ok"] and want and len(got) == len(want):
@@ -338,9 +360,9 @@ class Load:
 class Target:
     """The stack's instances as launch/pd knows them: processes, URLs, restart commands."""
 
-    def __init__(self, env_dir: Path):
+    def __init__(self, env_dir: Path, sim: bool = False):
         self.env_dir = env_dir
-        self.stack = load_stack(env_dir, sim=False)
+        self.stack = load_stack(env_dir, sim=sim)
         self.supervisor = supervisor_for(self.stack, env_dir)
         self.clients = stack_from_env_dir(env_dir)
         self.urls = dict(self.clients.engines())
@@ -442,9 +464,17 @@ class Paused:
 
 
 class Injector:
-    def __init__(self, opts: Options, target: Target, shared: Shared, paused: Paused, model: str):
+    def __init__(
+        self,
+        opts: Options,
+        target: Target,
+        shared: Shared,
+        paused: Paused,
+        model: str,
+        proxy: ChaosProxy | None = None,
+    ):
         self.opts, self.target, self.shared, self.paused = opts, target, shared, paused
-        self.model = model
+        self.model, self.proxy = model, proxy
 
     def now(self) -> float:
         return self.shared.history.now()
@@ -453,6 +483,7 @@ class Injector:
         proc = await asyncio.create_subprocess_exec(
             str(PD),
             *verb,
+            *(["--sim"] if self.opts.sim else []),
             "--env-dir",
             str(self.opts.env_dir),
             cwd=ROOT,
@@ -472,10 +503,17 @@ class Injector:
         return (proc.returncode if proc.returncode is not None else -1), text
 
     async def run_triage(self, fault: chaos_plan.Fault) -> dict:
-        expected = [t for t in fault.targets() if t in self.target.urls]
+        proxied = fault.parts[0].kind in chaos_plan.PROXIES
+        if proxied:
+            # Through the proxy, as the clients go: triage must tell their hung connections
+            # from a stalled engine, and the engines are fine.
+            client_url, expected = self.proxy.url, ["clients"]
+        else:
+            client_url = self.target.router_url
+            expected = [t for t in fault.targets() if t in self.target.urls]
         try:
             verdict = await triage(
-                self.target.router_url,
+                client_url,
                 self.target.clients,
                 fast_s=2.0,
                 window_s=1.0,
@@ -487,12 +525,15 @@ class Injector:
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             why = redact(f"triage failed: {type(exc).__name__}: {exc}", self.opts.api_key)
             return {"ran": False, "why_not": why}
-        named = [
-            t
-            for t in expected
-            if verdict.verdict in (UNRESPONSIVE, WEDGED)
-            and f"{t} ({self.target.urls[t]})" in verdict.reason
-        ]
+        if proxied:
+            named = expected if verdict.verdict == CONNECTION else []
+        else:
+            named = [
+                t
+                for t in expected
+                if verdict.verdict in (UNRESPONSIVE, WEDGED)
+                and f"{t} ({self.target.urls[t]})" in verdict.reason
+            ]
         return {
             "ran": True,
             "at": self.now(),
@@ -513,7 +554,7 @@ class Injector:
                     "+ 1 s)"
                 )
             return first, ""
-        if first.kind in ("engine-stop", "engine-kill"):
+        if first.kind in ("engine-stop", "engine-kill", *chaos_plan.PROXIES):
             return first, ""
         return None, chaos_plan.CATALOGUE[first.kind].expected.split("Triage is not run: ")[-1]
 
@@ -526,31 +567,66 @@ class Injector:
                 await self._stop(part, record, triage_for, fault)
             elif part.kind == "engine-kill":
                 await self._kill(part, record, triage_for, fault)
+            elif part.kind in chaos_plan.PROXIES:
+                await self._proxy(part, record, triage_for, fault)
             else:
-                restarted = ["router"] if part.kind == "router-restart" else self.target.stack.roles
-                group = [p for name in restarted for p in self.target.group(name)]
-                files = loadfiles.open_by(group)
-                verb = ["restart", "router"] if part.kind == "router-restart" else ["co-restart"]
-                rc, out = await self.command(*verb)
-                record["rc"], record["output"] = rc, out[-2000:]
-                if rc != 0:
-                    record["error"] = f"launch/pd {' '.join(verb)} exited {rc}: {out[-600:]}"
-                record["left"] = [describe(p) for p in alive(group)]
-                record["files_left"] = sorted(f for f in files if os.path.exists(f))
+                await self._restart(part, record)
         except (psutil.Error, OSError) as exc:
             record["error"] = f"{type(exc).__name__}: {exc}"
         finally:
             record["end"] = self.now()
 
-    async def _hold(self, part, record, triage_for, fault, triage_after_s: float) -> None:
+    async def _restart(self, part: chaos_plan.Part, record: dict) -> None:
+        """A launch/pd verb that restarts instances: the router, the whole stack in turn, or
+        every instance of a role one at a time."""
+        if part.kind == "router-restart":
+            names, verb = ["router"], ["restart", "router"]
+        elif part.kind == "rolling-restart":
+            names = [r.name for r in self.target.stack.of_kind(part.target)]
+            verb = ["rolling-restart", part.target]
+        else:
+            names, verb = list(self.target.stack.roles), ["co-restart"]
+        group = [p for name in names for p in self.target.group(name)]
+        files = loadfiles.open_by(group)
+        rc, out = await self.command(*verb)
+        record["rc"], record["output"] = rc, out[-2000:]
+        if rc != 0:
+            record["error"] = f"launch/pd {' '.join(verb)} exited {rc}: {out[-600:]}"
+        record["left"] = [describe(p) for p in alive(group)]
+        record["files_left"] = sorted(f for f in files if os.path.exists(f))
+
+    async def _hold(self, part, record, triage_for, fault, triage_after_s, ready=None) -> None:
+        """Hold the fault: triage during it where planned (after triage_after_s, and once
+        ready() returns), then the rest of the drawn hold, then, with --prometheus, until the
+        fault's expected alerts fire."""
         if triage_for is part:
             await asyncio.sleep(triage_after_s)
+            if ready is not None:
+                await ready()
             record["triage"] = await self.run_triage(fault)
-            rest = part.hold_s - (self.now() - record["start"])
-            if rest > 0:
-                await asyncio.sleep(rest)
-        else:
-            await asyncio.sleep(part.hold_s)
+        rest = part.hold_s - (self.now() - record["start"])
+        if rest > 0:
+            await asyncio.sleep(rest)
+        await self._alerts_fire(part, record, fault)
+
+    async def _alerts_fire(self, part, record, fault) -> None:
+        wanted = chaos_plan.expected_alerts(fault)
+        if not self.opts.prometheus or part is not fault.parts[0] or not wanted:
+            return
+        seen, error = await chaos_alerts.wait(
+            self.opts.prometheus,
+            self.target.stack.unit_prefix,
+            wanted,
+            True,
+            self.opts.alert_wait_s,
+            self.now,
+        )
+        record["alerts"] = [
+            {"alert": name, "instance": instance, "fired": seen[(name, instance)]}
+            for name, instance in wanted
+        ]
+        if error:
+            record["alerts_error"] = error
 
     async def _stop(self, part, record, triage_for, fault) -> None:
         group = self.target.group(part.target)
@@ -577,6 +653,27 @@ class Injector:
         await asyncio.sleep(0.2)
         record["still_stopped"] = [describe(p) for p in stopped(self.target.group(part.target))]
 
+    async def _proxy(self, part, record, triage_for, fault) -> None:
+        proxy = self.proxy
+        stalled, resets = proxy.stalled, proxy.resets
+        if part.kind == "proxy-stall":
+            proxy.stall()
+        else:
+            proxy.begin_reset()
+
+        async def engines_idle() -> None:
+            # Triage reads idle engines only once what was forwarded before the fault ended.
+            record["forwarding_at_triage"] = (
+                0 if await proxy.idle(PROXY_IDLE_S) else (proxy.forwarding)
+            )
+
+        try:
+            await self._hold(part, record, triage_for, fault, 0.5, engines_idle)
+        finally:
+            proxy.end()
+        record["stalled"] = proxy.stalled - stalled
+        record["reset"] = proxy.resets - resets
+
     async def _kill(self, part, record, triage_for, fault) -> None:
         group = self.target.group(part.target)
         if not group:
@@ -591,6 +688,7 @@ class Injector:
         await asyncio.to_thread(psutil.wait_procs, group, KILL_EXIT_S)
         if triage_for is part:
             record["triage"] = await self.run_triage(fault)
+        await self._alerts_fire(part, record, fault)
         rc, out = await self.command("restart", part.target)
         record["rc"], record["output"] = rc, out[-2000:]
         if rc != 0:
@@ -703,7 +801,7 @@ def say(history: History, text: str) -> None:
     print(f"[{history.now():7.1f} s] {text}", flush=True)
 
 
-async def references(url: str, opts: Options) -> tuple[dict, str | None]:
+async def references(url: str, opts: Options, model: str) -> tuple[dict, str | None]:
     """Each greedy prompt's answer on the healthy stack, one at a time, each within
     REFERENCE_TRIES tries: on cores shared with other work a long prompt alone has outlasted a
     10 s PD timeout once. A prompt that fails every try ends the run (the stack does not serve
@@ -713,7 +811,7 @@ async def references(url: str, opts: Options) -> tuple[dict, str | None]:
     timeout = aiohttp.ClientTimeout(total=opts.serve_s)
     headers = auth_headers(opts.api_key)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as s:
-        for prompt in greedy_prompts(opts):
+        for prompt in greedy_prompts(opts, model if opts.model_in_generate else ""):
             errors = []
             for _ in range(REFERENCE_TRIES):
                 got = await generate(s, url, prompt.body)
@@ -726,6 +824,50 @@ async def references(url: str, opts: Options) -> tuple[dict, str | None]:
     return refs, None
 
 
+async def alerts_resolve(opts: Options, target: Target, shared: Shared, record: dict) -> None:
+    """With --prometheus, after a fault whose alerts were waited for: wait until the ones that
+    fired resolve, and record each one's fired and resolved times."""
+    first = record["parts"][0]
+    if "alerts" not in first:
+        return
+    fired = [(a["alert"], a["instance"]) for a in first["alerts"] if a["fired"] is not None]
+    seen, error = await chaos_alerts.wait(
+        opts.prometheus,
+        target.stack.unit_prefix,
+        fired,
+        False,
+        opts.alert_wait_s,
+        shared.history.now,
+    )
+    shared.history.add(
+        {
+            "type": "alerts",
+            "fault": record["index"],
+            "wait_s": opts.alert_wait_s,
+            "fault_start": record["start"],
+            "fault_end": record["end"],
+            "alerts": [
+                a | {"resolved": seen.get((a["alert"], a["instance"]))} for a in first["alerts"]
+            ],
+            "error": first.get("alerts_error") or error,
+        }
+    )
+
+
+def on_signals(task: asyncio.Task, caught: list[str]) -> None:
+    """Ctrl-C and SIGTERM cancel the run (once), so that it continues what it stopped and
+    writes its report from the history so far."""
+
+    def handle(sig: signal.Signals) -> None:
+        if not caught:
+            caught.append(sig.name)
+            task.cancel()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, handle, sig)
+
+
 async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], replay: str) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     history = History(opts.out / "history.jsonl")
@@ -733,10 +875,17 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
     shared = Shared(history, opts.serve_s + pd_timeouts)
     paused = Paused()
     load = None
+    proxy = None
+    caught: list[str] = []
+    on_signals(asyncio.current_task(), caught)
     try:
+        if any(kind in chaos_plan.PROXIES for kind in opts.kinds):
+            proxy = ChaosProxy(target.router_url)
+            await proxy.start()
+            say(history, f"clients go through the connection proxy at {proxy.url}")
         model = await first_model_id(target.router_url, 10.0, opts.api_key)
         say(history, f"taking the reference answers of {len(greedy_prompts(opts))} prompts")
-        refs, failed = await references(target.router_url, opts)
+        refs, failed = await references(target.router_url, opts, model)
         if failed:
             print(
                 f"bench/chaos: the healthy stack did not serve a reference request: {failed}",
@@ -761,6 +910,10 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                 "settle_s": opts.settle_s,
                 "recover_s": opts.recover_s,
                 "replay": replay,
+                "sim": opts.sim,
+                "proxy": proxy.url if proxy else None,
+                "prometheus": opts.prometheus,
+                "alert_wait_s": opts.alert_wait_s,
             }
         )
         for name, got in refs.items():
@@ -769,11 +922,12 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                     "type": "reference",
                     "prompt": name,
                     "output_ids": got["output_ids"],
+                    **({"text": got["text"]} if "text" in got else {}),
                     "logprobs": got["logprobs"],
                 }
             )
-        load = Load(opts, shared, target.router_url, model, refs)
-        injector = Injector(opts, target, shared, paused, model)
+        load = Load(opts, shared, proxy.url if proxy else target.router_url, model, refs)
+        injector = Injector(opts, target, shared, paused, model, proxy)
         load_start = history.now()
         shared.load.set()
         load.start()
@@ -802,6 +956,8 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                 + f"; triage: {chaos_check.triage_text(record)[:200]}",
             )
             rec = await recovery(opts, shared, fault.index, record["end"])
+            if opts.prometheus:
+                await alerts_resolve(opts, target, shared, record)
             settled = await settle(target, opts, shared, str(fault.index))
             rows = [r for r in chaos_check.window_rows(history.records) if r["fault"] is record]
             row = rows[0]
@@ -834,10 +990,26 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
             final = await settle(target, opts, shared, "final")
             state = "held nothing" if final["settled"] else str(final["held"])
             say(history, f"final settle: {state}")
+    except asyncio.CancelledError:
+        if not caught:
+            raise
+        history.add(
+            {
+                "type": "interrupted",
+                "signal": caught[0],
+                "at": history.now(),
+                "window": shared.window,
+            }
+        )
+        say(history, f"{caught[0]}: interrupted; continuing what it stopped, then the report")
     finally:
         paused.cont_all()
+        if proxy is not None:
+            proxy.end()
         if load is not None:
             await load.stop()
+        if proxy is not None:
+            await proxy.close()
         history.close()
     violations = chaos_check.check(history.records)
     report = chaos_check.render(history.records, violations)
@@ -851,6 +1023,14 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                     f"  replay: {chaos_check.replay_command({'replay': replay}, v.window)}",
                     file=sys.stderr,
                 )
+    if caught:
+        print(
+            f"bench/chaos: interrupted by {caught[0]}; every process it stopped was continued; "
+            f"history and report (so far) in {opts.out}",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
+    if violations:
         return 1
     print(f"bench/chaos: every invariant held; history and report in {opts.out}")
     return 0
@@ -924,9 +1104,17 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kinds",
-        default=",".join(chaos_plan.BUILT),
-        help="comma-separated fault kinds to draw from; "
-        f"catalogue: {', '.join(chaos_plan.CATALOGUE)}",
+        default=None,
+        help="comma-separated fault kinds to draw from; a kind the stack cannot run is refused "
+        "with the reason (default: every kind of the catalogue the stack can run; catalogue: "
+        f"{', '.join(chaos_plan.CATALOGUE)})",
+    )
+    p.add_argument(
+        "--sim",
+        action="store_true",
+        default=False,
+        help="the stack runs simulated engines (launch/pd up --sim): its restarts pass --sim, "
+        "and scheduler-stop is refused",
     )
     p.add_argument(
         "--hold-s",
@@ -1008,6 +1196,21 @@ def parser() -> argparse.ArgumentParser:
         help="triage's threshold for a stopped scheduler; a scheduler-stop shorter than this "
         "plus 1 s is not triaged",
     )
+    p.add_argument(
+        "--prometheus",
+        metavar="URL",
+        default=None,
+        help="a Prometheus that evaluates `launch/pd monitoring`'s rules for this stack: each "
+        "fault is held until the alerts the catalogue expects for it fire, and they must "
+        "resolve after it (default: none; alerts not checked, and the report says so)",
+    )
+    p.add_argument(
+        "--alert-wait-s",
+        type=_positive(float),
+        default=ALERT_WAIT_S,
+        help="with --prometheus: seconds a fault is held past its drawn hold for its alerts to "
+        "fire, and seconds they may take to resolve once it ended",
+    )
     add_api_key_arg(p)
     return p
 
@@ -1016,9 +1219,28 @@ def replay_base(args: argparse.Namespace, kinds: list[str]) -> str:
     """The command that draws the same schedule (without --only-fault)."""
     low, high = args.hold_s
     return (
-        f"bench/chaos --env-dir {args.env_dir} --seed {args.seed} --faults {args.faults} "
-        f"--duration {args.duration:g} --kinds {','.join(kinds)} --hold-s {low:g},{high:g}"
+        f"bench/chaos --env-dir {args.env_dir}{' --sim' if args.sim else ''} --seed {args.seed} "
+        f"--faults {args.faults} --duration {args.duration:g} --kinds {','.join(kinds)} "
+        f"--hold-s {low:g},{high:g}"
+        + (f" --prometheus {args.prometheus}" if args.prometheus else "")
     )
+
+
+def prometheus_problem(url: str, kinds: list[str]) -> str:
+    """Why this Prometheus cannot check the kinds' alerts ('' when it can): it does not
+    answer, or it has not loaded a rule the catalogue expects."""
+    try:
+        rules = asyncio.run(chaos_alerts.alert_rules(url))
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError) as exc:
+        return f"its rules could not be read: {type(exc).__name__}: {exc}"[:300]
+    wanted = {name for kind in kinds for name in chaos_plan.CATALOGUE[kind].alerts}
+    missing = sorted(wanted - rules)
+    if missing:
+        return (
+            f"no alerting rule {', '.join(missing)} loaded (render them with launch/pd "
+            "monitoring for this stack and load its rules.yml)"
+        )
+    return ""
 
 
 def _loopback(url: str) -> bool:
@@ -1038,8 +1260,8 @@ def main(argv: list[str] | None = None) -> int:
     args.only_fault = getattr(args, "only_fault", None)
     args.dry_run = getattr(args, "dry_run", False)
     args.out = getattr(args, "out", None)
-    given = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if not given:
+    given = [k.strip() for k in (args.kinds or "").split(",") if k.strip()]
+    if args.kinds is not None and not given:
         p.error("--kinds: name at least one kind")
     for kind in given:
         if kind not in chaos_plan.CATALOGUE:
@@ -1047,22 +1269,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"--kinds: unknown fault kind {kind!r}; the catalogue has "
                 f"{', '.join(chaos_plan.CATALOGUE)}"
             )
-    # In the catalogue's order: the schedule depends on which kinds, not on how they were listed.
-    kinds = [k for k in chaos_plan.CATALOGUE if k in given]
     if not args.env_dir.is_dir():
         p.error(f"--env-dir {args.env_dir}: not a directory")
     try:
-        target = Target(args.env_dir)
+        target = Target(args.env_dir, args.sim)
     except (OSError, ValueError) as exc:
         p.error(str(exc))
     instances = target.instances()
+    if args.kinds is None:
+        given = [k for k in chaos_plan.BUILT if not chaos_plan.refusal(k, instances, args.sim)]
+    # In the catalogue's order: the schedule depends on which kinds, not on how they were listed.
+    kinds = [k for k in chaos_plan.CATALOGUE if k in given]
     for kind in kinds:
-        why = chaos_plan.refusal(kind, instances)
+        why = chaos_plan.refusal(kind, instances, args.sim)
         if why:
             p.error(f"--kinds: {why}")
     if args.only_fault is not None and args.only_fault > args.faults:
         p.error(f"--only-fault {args.only_fault}: the schedule has {args.faults} faults")
-    schedule = chaos_plan.draw(args.seed, args.faults, args.duration, kinds, instances, args.hold_s)
+    schedule = chaos_plan.draw(
+        args.seed, args.faults, args.duration, kinds, instances, args.hold_s, args.sim
+    )
     replay = replay_base(args, kinds)
     print(f"bench/chaos: seed {args.seed}, schedule ({replay}):")
     print(chaos_plan.render(schedule), flush=True)
@@ -1080,10 +1306,15 @@ def main(argv: list[str] | None = None) -> int:
     if down:
         print(
             f"bench/chaos: the stack of {args.env_dir} is not up: {'; '.join(down)}. Start it "
-            f"with launch/pd up --env-dir {args.env_dir}",
+            f"with launch/pd up{' --sim' if args.sim else ''} --env-dir {args.env_dir}",
             file=sys.stderr,
         )
         return 2
+    if args.prometheus:
+        missing = prometheus_problem(args.prometheus, kinds)
+        if missing:
+            print(f"bench/chaos: --prometheus {args.prometheus}: {missing}", file=sys.stderr)
+            return 2
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     opts = Options(
         env_dir=args.env_dir,
@@ -1112,10 +1343,13 @@ def main(argv: list[str] | None = None) -> int:
         recover_s=args.recover_s,
         command_timeout_s=args.command_timeout_s,
         wedged_after_s=args.wedged_after_s,
+        sim=args.sim,
+        model_in_generate=target.stack.several,
+        prometheus=args.prometheus,
+        alert_wait_s=args.alert_wait_s,
         api_key=api_key,
     )
-    # SIGTERM ends the run as Ctrl-C does: through run()'s finally, which continues every
-    # process this tool stopped.
+    # Before the run's own handlers are in place (on_signals), SIGTERM ends it as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return asyncio.run(run(opts, target, schedule, replay))

@@ -10,7 +10,11 @@ The history is what `history.jsonl` holds, one dict per line, each with a "type"
   action's outcome, `triage`);
 - "recovery": the first success after a fault ended (`fault`, `recovered_s` or null);
 - "settle": whether every engine held nothing within the settle bound once load paused
-  (`window`, `settled`, `settle_s`, `held`).
+  (`window`, `settled`, `settle_s`, `held`);
+- "alerts": with --prometheus, each alert a fault expected (`fault`, `alerts` with `alert`,
+  `instance`, `fired` and `resolved` times or null, `wait_s`, `error`);
+- "stop": the run ended early (`after` a fault, `why`, the faults `not_run`);
+- "interrupted": Ctrl-C or SIGTERM ended the run (`signal`, `at`, the `window` it was in).
 Times are seconds from the run's start. Windows are named by the fault they hold ("1", "2",
 ...) and "final" for the closing settle. Every check here is a pure function of that list,
 so the tests feed it literal histories.
@@ -21,12 +25,16 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from bench.lib.chaos_plan import CATALOGUE
+
 WRONG = "no wrong answer"
 HANG = "no hang"
 HELD = "nothing held"
 NAMED = "failures named"
 RECOVERED = "recovered"
 FAULT_RAN = "fault ran as written"
+ALERTED = "alerts fired and resolved"
+SERVED = "no failure where none is expected"
 GREEDY_KINDS = ("short", "long")
 
 
@@ -51,15 +59,27 @@ def _run(history: list[dict]) -> dict:
 
 
 def wrong_answers(history: list[dict]) -> list[Violation]:
-    """A greedy request that succeeded with other tokens than its reference."""
-    refs = {r["prompt"]: r["output_ids"] for r in _of(history, "reference")}
+    """A greedy request that succeeded with other tokens than its reference (other text, where
+    the reference has no token ids: a simulated engine's)."""
+    refs = {r["prompt"]: r for r in _of(history, "reference")}
     found = []
     for r in _of(history, "request"):
         if r.get("kind") not in GREEDY_KINDS or not r.get("ok"):
             continue
-        want = refs.get(r["prompt"])
-        if want is None:
+        ref = refs.get(r["prompt"])
+        want = None if ref is None else ref["output_ids"]
+        if ref is None:
             found.append(Violation(WRONG, r["window"], f"{r['id']}: no reference taken"))
+        elif want is None:
+            if r.get("text") != ref.get("text"):
+                found.append(
+                    Violation(
+                        WRONG,
+                        r["window"],
+                        f"{r['id']} ({r['prompt']}) answered the text {r.get('text')!r:.60} "
+                        f"against its reference's {ref.get('text')!r:.60}",
+                    )
+                )
         elif r.get("output_ids") != want:
             got = r.get("output_ids") or []
             at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
@@ -192,6 +212,48 @@ def failed_actions(history: list[dict]) -> list[Violation]:
     return found
 
 
+def unalerted(history: list[dict]) -> list[Violation]:
+    """With --prometheus: an expected alert that did not fire while its fault was held, or did
+    not resolve after it."""
+    found = []
+    for a in _of(history, "alerts"):
+        window = str(a["fault"])
+        why = f" (Prometheus: {a['error']})" if a.get("error") else ""
+        for alert in a["alerts"]:
+            name = f"{alert['alert']} for {alert['instance']}"
+            if alert["fired"] is None:
+                message = f"{name} did not fire within {a['wait_s']:g} s past the hold{why}"
+            elif alert["resolved"] is None:
+                message = f"{name} did not resolve within {a['wait_s']:g} s of the fault{why}"
+            else:
+                continue
+            found.append(Violation(ALERTED, window, message))
+    return found
+
+
+def failed_unexpectedly(history: list[dict]) -> list[Violation]:
+    """A failed request in the window of a fault the stack is meant to serve through (the
+    catalogue's fails_none kinds: a rolling restart)."""
+    failed = defaultdict(list)
+    for r in _of(history, "request"):
+        if not r["ok"]:
+            failed[r["window"]].append(r)
+    found = []
+    for f in _of(history, "fault"):
+        kind = CATALOGUE.get(f["kind"])
+        bad = failed[str(f["index"])]
+        if kind is not None and kind.fails_none and bad:
+            found.append(
+                Violation(
+                    SERVED,
+                    str(f["index"]),
+                    f"{len(bad)} request(s) failed during a {f['kind']}, first "
+                    f"{bad[0]['id']}: {(bad[0]['error'] or '')[:200]}",
+                )
+            )
+    return found
+
+
 def check(history: list[dict]) -> list[Violation]:
     return [
         *failed_actions(history),
@@ -200,6 +262,8 @@ def check(history: list[dict]) -> list[Violation]:
         *held(history),
         *unnamed(history),
         *unrecovered(history),
+        *failed_unexpectedly(history),
+        *unalerted(history),
     ]
 
 
@@ -260,9 +324,18 @@ def triage_text(f: dict) -> str:
 def render(history: list[dict], violations: list[Violation]) -> str:
     run = _run(history)
     rows = window_rows(history)
-    lines = [
-        "# bench/chaos report",
-        "",
+    lines = ["# bench/chaos report", ""]
+    for stop in _of(history, "interrupted"):
+        where = (
+            "the final load" if stop["window"] == "final" else f"fault #{stop['window']}'s window"
+        )
+        lines += [
+            f"**Interrupted** by {stop['signal']} at {stop['at']:.1f} s, in {where}: this report "
+            "covers the history until then (a fault still being injected has no row; every "
+            "process the run stopped was continued).",
+            "",
+        ]
+    lines += [
         f"Seed {run.get('seed')}, {len(rows)} fault(s) run of {len(run.get('schedule', []))} "
         f"drawn, stack `{run.get('env_dir')}`; the schedule: `{run.get('replay')}`.",
         f"Bounds: a request's {run.get('bound_base_s', 0):g} s (serving allowance "
@@ -318,6 +391,7 @@ def render(history: list[dict], violations: list[Violation]) -> str:
             f"The run stopped after fault #{stop['after']}: {stop['why']}. Faults not run: "
             f"{later}.",
         ]
+    lines += ["", *alert_lines(history)]
     final = [s for s in _of(history, "settle") if s["window"] == "final"]
     if final:
         s = final[0]
@@ -345,6 +419,33 @@ def render(history: list[dict], violations: list[Violation]) -> str:
             if v.window != "final":
                 lines.append(f"  replay: `{replay_command(run, v.window)}`")
     return "\n".join(lines) + "\n"
+
+
+def alert_lines(history: list[dict]) -> list[str]:
+    """The report's alerts: each expected one's firing and resolved times, or why none were
+    checked."""
+    run = _run(history)
+    if not run.get("prometheus"):
+        return ["Alerts: not checked (no --prometheus)."]
+    records = _of(history, "alerts")
+    if not records:
+        return [f"Alerts: checked on {run['prometheus']}; no fault run expected one."]
+    lines = [
+        f"## Alerts on {run['prometheus']}",
+        "",
+        "| # | alert | instance | fired (after the fault began) | resolved (after it ended) |",
+        "|---|---|---|---|---|",
+    ]
+    for a in records:
+        for alert in a["alerts"]:
+            fired = alert["fired"]
+            resolved = alert["resolved"]
+            lines.append(
+                f"| {a['fault']} | {alert['alert']} | {alert['instance']} "
+                f"| {_seconds(None if fired is None else fired - a['fault_start'])} "
+                f"| {_seconds(None if resolved is None else resolved - a['fault_end'])} |"
+            )
+    return lines
 
 
 def replay_command(run: dict, window: str) -> str:
