@@ -1233,7 +1233,9 @@ def prometheus_problem(url: str, kinds: list[str]) -> str:
         rules = asyncio.run(chaos_alerts.alert_rules(url))
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError) as exc:
         return f"its rules could not be read: {type(exc).__name__}: {exc}"[:300]
-    wanted = {name for kind in kinds for name in chaos_plan.CATALOGUE[kind].alerts}
+    # An overlap's alerts are its stop's.
+    drawn = [*kinds, *(chaos_plan.STOPS if "overlap" in kinds else ())]
+    wanted = {name for kind in drawn for name in chaos_plan.CATALOGUE[kind].alerts}
     missing = sorted(wanted - rules)
     if missing:
         return (

@@ -35,6 +35,12 @@ class Kind:
     fails_none: bool = False
 
 
+# What the restarting kinds say of alerts.
+QUIET = (
+    "no alert is expected (launch/pd's restarts end within the down alerts' windows, and mark "
+    "what they restart as in maintenance where PD_TEXTFILE_DIR is set)"
+)
+
 CATALOGUE = {
     k.name: k
     for k in (
@@ -77,17 +83,20 @@ CATALOGUE = {
             "router-restart",
             "`launch/pd restart router`",
             "requests in flight through the router end with an error or their reference "
-            "answer; the new router serves; the engines hold nothing once settled. Triage is "
-            "not run: it has no verdict for a router that is down (it reads the engines, which "
-            "answer)",
+            "answer; the new router serves; the engines hold nothing once settled; "
+            + QUIET
+            + ". Triage is not run: it has no verdict for a router that is down (it reads the "
+            "engines, which answer)",
             "router",
         ),
         Kind(
             "co-restart",
             "`launch/pd co-restart` (prefill, decode, router in turn, then verify and probe)",
             "it exits 0; requests during it end with an error or their reference answer; the "
-            "stack serves afterwards; no process of the old engines is left. Triage is not "
-            "run: every component restarts in turn, so no one component is to blame",
+            "stack serves afterwards; no process of the old engines is left; "
+            + QUIET
+            + ". Triage is not run: every component restarts in turn, so no one component is to "
+            "blame",
             "stack",
         ),
         Kind(
@@ -104,9 +113,10 @@ CATALOGUE = {
             "instance in turn out of the router's rotation, drained, restarted, back in",
             "it exits 0 and no request fails: each instance leaves the rotation and drains "
             "before its restart while the others serve; no process of an old instance is left "
-            "and its load snapshot file is gone; the engines hold nothing once settled. Triage "
-            "is not run: no request is meant to fail, and one that does is a broken invariant "
-            "of its own",
+            "and its load snapshot file is gone; the engines hold nothing once settled; "
+            + QUIET
+            + ". Triage is not run: no request is meant to fail, and one that does is a broken "
+            "invariant of its own",
             "role",
             fails_none=True,
         ),

@@ -35,8 +35,12 @@ def chaos_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 # ---- the schedule ---------------------------------------------------------------------------
 
 
+def runnable(instances: dict[str, list[str]], sim: bool = False) -> list[str]:
+    return [k for k in chaos_plan.BUILT if not chaos_plan.refusal(k, instances, sim)]
+
+
 def test_the_same_seed_draws_the_same_schedule_and_another_seed_another():
-    kinds = list(chaos_plan.BUILT)
+    kinds = runnable(CPU)
     first = chaos_plan.draw(7, 12, 300, kinds, CPU)
     assert first == chaos_plan.draw(7, 12, 300, kinds, CPU)
     assert first != chaos_plan.draw(8, 12, 300, kinds, CPU)
@@ -73,6 +77,10 @@ def test_the_schedule_keeps_to_its_kinds_targets_times_and_holds():
                 assert first.target.split("/")[0] != second.target.split("/")[0], f
             else:
                 assert second.target == "router", f
+        if f.kind == "rolling-restart":
+            assert first.target in ("prefill", "decode") and not first.hold_s, f
+        if f.kind in chaos_plan.PROXIES:
+            assert first.target == "clients" and 2.0 <= first.hold_s <= 5.0, f
     only_stops = chaos_plan.draw(3, 50, 120, ["scheduler-stop"], CPU)
     assert {f.kind for f in only_stops} == {"scheduler-stop"}
 
@@ -80,8 +88,45 @@ def test_the_schedule_keeps_to_its_kinds_targets_times_and_holds():
 def test_kinds_a_stack_cannot_run_are_refused_with_their_reason():
     assert chaos_plan.refusal("scheduler-stop", CPU) is None
     assert "unknown fault kind 'freeze'" in chaos_plan.refusal("freeze", CPU)
-    assert "not yet built" in chaos_plan.refusal("rolling-restart", TWO_BY_TWO)
     assert "needs a prefill and a decode" in chaos_plan.refusal("overlap", {"prefill": ["p"]})
+    assert "two or more instances" in chaos_plan.refusal("rolling-restart", CPU)
+    assert chaos_plan.refusal("rolling-restart", TWO_BY_TWO) is None
+    # One role with two instances is enough, and only that role is drawn.
+    one_two = {"prefill": ["prefill"], "decode": ["decode/1", "decode/2"]}
+    assert chaos_plan.refusal("rolling-restart", one_two) is None
+    drawn = chaos_plan.draw(1, 20, 60, ["rolling-restart"], one_two)
+    assert {f.parts[0].target for f in drawn} == {"decode"}
+    assert "no sglang scheduler" in chaos_plan.refusal("scheduler-stop", TWO_BY_TWO, sim=True)
+    assert all(chaos_plan.refusal(k, CPU) is None for k in chaos_plan.PROXIES)
+    assert runnable(TWO_BY_TWO, sim=True) == [
+        k for k in chaos_plan.CATALOGUE if k != "scheduler-stop"
+    ]
+
+
+def test_on_simulated_engines_an_overlap_stops_a_whole_engine():
+    kinds = runnable(TWO_BY_TWO, sim=True)
+    schedule = chaos_plan.draw(4, 200, 60, kinds, TWO_BY_TWO, sim=True)
+    stops = {f.parts[0].kind for f in schedule if f.kind == "overlap"}
+    assert stops == {"engine-stop"}
+    # Real engines draw both stops, and the kinds of old keep their old schedule.
+    real = chaos_plan.draw(4, 200, 60, list(chaos_plan.BUILT), TWO_BY_TWO)
+    assert {f.parts[0].kind for f in real if f.kind == "overlap"} == set(chaos_plan.STOPS)
+
+
+def test_each_kind_names_the_alerts_it_expects_and_an_overlap_its_stops():
+    stop = chaos_plan.Part("engine-stop", "decode/2", hold_s=3.0)
+    kill = chaos_plan.Part("engine-kill", "prefill/1", after_s=1.0)
+    assert chaos_plan.expected_alerts(chaos_plan.Fault(1, "overlap", 0.0, (stop, kill))) == [
+        ("PDInstanceDown", "decode/2")
+    ]
+    sched = chaos_plan.Part("scheduler-stop", "prefill", hold_s=12.0)
+    assert chaos_plan.expected_alerts(chaos_plan.Fault(1, "scheduler-stop", 0.0, (sched,))) == [
+        ("PDSchedulerStalled", "prefill")
+    ]
+    for kind in ("router-restart", "co-restart", "rolling-restart", *chaos_plan.PROXIES):
+        part = chaos_plan.Part(kind, "router")
+        assert chaos_plan.expected_alerts(chaos_plan.Fault(1, kind, 0.0, (part,))) == [], kind
+        assert "no alert" in chaos_plan.CATALOGUE[kind].expected.lower(), kind
 
 
 # ---- the invariants, on literal histories -----------------------------------------------------
@@ -286,7 +331,8 @@ def test_help_lists_every_option_with_its_default():
 def test_bad_input_is_refused_with_a_message_naming_it(tmp_path, capsys):
     cases = [
         (("--env-dir", "env/cpu", "--kinds", "freeze"), "--kinds: unknown fault kind 'freeze'"),
-        (("--env-dir", "env/cpu", "--kinds", "rolling-restart"), "rolling-restart: not yet built"),
+        (("--env-dir", "env/cpu", "--kinds", "rolling-restart"), "two or more instances"),
+        (("--env-dir", "env/cpu", "--sim", "--kinds", "scheduler-stop"), "no sglang scheduler"),
         (("--env-dir", str(tmp_path / "none")), "not a directory"),
         (("--env-dir", "env/cpu", "--faults", "2", "--only-fault", "3"), "has 2 faults"),
         (("--env-dir", "env/cpu", "--hold-s", "5,2"), "wants 0 < MIN <= MAX"),
@@ -377,3 +423,86 @@ def test_a_run_stopped_on_a_stack_that_did_not_come_back_says_which_faults_it_le
         in report
     )
     assert "- fault #1: recovered: no request succeeded within 120 s of the fault ending" in report
+
+
+# ---- what this version added: alerts, rolling restarts, interruptions, simulated answers ---------
+
+
+def alerts_record(fired: float | None = 14.0, resolved: float | None = 18.0) -> dict:
+    return {
+        "type": "alerts",
+        "fault": 1,
+        "wait_s": 30,
+        "fault_start": 10.0,
+        "fault_end": 16.0,
+        "alerts": [
+            {"alert": "PDInstanceDown", "instance": "decode", "fired": fired, "resolved": resolved}
+        ],
+        "error": "",
+    }
+
+
+def test_an_expected_alert_that_did_not_fire_or_resolve_is_caught_and_reported():
+    history = clean_history()
+    history[0] = RUN | {"prometheus": "http://127.0.0.1:9090"}
+    history.insert(8, alerts_record())
+    assert chaos_check.check(history) == []
+    report = chaos_check.render(history, [])
+    assert "## Alerts on http://127.0.0.1:9090" in report
+    assert "| 1 | PDInstanceDown | decode | 4.0 s | 2.0 s |" in report
+    history[8] = alerts_record(fired=None, resolved=None) | {"error": "ConnectionRefusedError"}
+    (v,) = chaos_check.check(history)
+    assert (v.invariant, v.window) == (chaos_check.ALERTED, "1")
+    assert v.message == (
+        "PDInstanceDown for decode did not fire within 30 s past the hold "
+        "(Prometheus: ConnectionRefusedError)"
+    )
+    assert "| 1 | PDInstanceDown | decode | - | - |" in chaos_check.render(history, [v])
+    history[8] = alerts_record(resolved=None)
+    (v,) = chaos_check.check(history)
+    assert v.message == "PDInstanceDown for decode did not resolve within 30 s of the fault"
+
+
+def test_without_prometheus_the_report_says_alerts_were_not_checked():
+    report = chaos_check.render(clean_history(), [])
+    assert "Alerts: not checked (no --prometheus)." in report
+
+
+def test_a_failed_request_during_a_rolling_restart_is_caught():
+    history = clean_history()
+    history[6] = fault() | {"kind": "rolling-restart", "describe": "#1: rolling-restart decode"}
+    history[6]["parts"] = [{"kind": "rolling-restart", "target": "decode"}]
+    (v,) = chaos_check.check(history)
+    assert (v.invariant, v.window) == (chaos_check.SERVED, "1")
+    assert (
+        v.message
+        == "1 request(s) failed during a rolling-restart, first short/2#1: HTTP 500: failed"
+    )
+    # The same failure during an engine-stop is expected.
+    assert chaos_check.check(clean_history()) == []
+
+
+def test_an_interrupted_run_reports_the_history_so_far_and_says_so():
+    history = clean_history()[:-1]
+    history.append({"type": "interrupted", "signal": "SIGTERM", "at": 21.5, "window": "2"})
+    report = chaos_check.render(history, chaos_check.check(history))
+    assert report.startswith(
+        "# bench/chaos report\n\n**Interrupted** by SIGTERM at 21.5 s, in fault #2's window: this "
+        "report covers the history until then"
+    )
+    assert "| engine-stop | 1 | 3 | 1 | 0 | 0 | 1.2 s | 0.5 s |" in report
+
+
+def test_a_simulated_answer_with_other_text_is_wrong():
+    history = clean_history()
+    history[1] = REFERENCE | {"output_ids": None, "text": "tok0 tok1"}
+    for r in history:
+        if r["type"] == "request":
+            r["output_ids"], r["text"] = None, "tok0 tok1"
+    assert chaos_check.check(history) == []
+    history[2]["text"] = "tok0 tok9"
+    (v,) = chaos_check.check(history)
+    assert v.invariant == chaos_check.WRONG
+    assert v.message == (
+        "short/1#1 (short/1) answered the text 'tok0 tok9' against its reference's 'tok0 tok1'"
+    )
