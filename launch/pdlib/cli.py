@@ -13,6 +13,7 @@ from launch.pdlib import (
     checks,
     envcheck,
     envfiles,
+    k8s,
     loadfiles,
     maintenance,
     model_path,
@@ -529,6 +530,58 @@ def cmd_monitoring(args) -> int:
     return 1 if ok is False else 0
 
 
+def cmd_k8s(args) -> int:
+    problems, _ = _checked(args.env_dir, True)
+    out = Out(Redactor([]))
+    if problems:
+        for problem in problems:
+            out(f"FAIL {problem}", err=True)
+        out(f"env check {args.env_dir}: {len(problems)} problem(s)", err=True)
+        out("k8s: nothing written", err=True)
+        return 2
+    out_dir: Path = args.out
+    if out_dir.exists() and not out_dir.is_dir():
+        print(f"k8s: --out {out_dir}: not a directory", file=sys.stderr)
+        return 2
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not args.force:
+        print(
+            f"k8s: --out {out_dir} exists and is not empty; --force writes over it", file=sys.stderr
+        )
+        return 2
+    stack = load_stack(args.env_dir, sim=False)
+    out = Out(stack.env.redactor())
+    opts = k8s.Options(
+        flavor=args.flavor,
+        namespace=args.namespace,
+        image=args.image,
+        api_key_secret=args.api_key_secret or f"{stack.unit_prefix}-api-key",
+    )
+    try:
+        written = k8s.render(out_dir, args.env_dir, opts)
+    except k8s.K8sRefused as exc:
+        for line in exc.lines:
+            out(f"FAIL {line}", err=True)
+        out("k8s: nothing written", err=True)
+        return 2
+    for path in written:
+        out(f"wrote {path}")
+    if stack.api_key:
+        out(
+            f"note: the pods read API_KEY from Secret {opts.api_key_secret}, which this does not "
+            f"write; make it with the key in KEY: {k8s.secret_command(opts)}"
+        )
+    if any(
+        stack.env.role_env(r.kind, r.index).get("UCX_NET_DEVICES") == "lo"
+        for r in stack.roles.values()
+    ):
+        out(
+            "note: UCX_NET_DEVICES=lo keeps NIXL's KV on loopback, which prefill and decode "
+            "pods do not share: set the pods' devices in the env files"
+        )
+    out(f"apply: kubectl apply -f {out_dir}")
+    return 0
+
+
 def cmd_env_diff(args) -> int:
     lines = envfiles.diff(args.a, args.b)
     for line in lines:
@@ -799,6 +852,47 @@ def build_parser() -> argparse.ArgumentParser:
         f"fires (default: {monitoring.QUARANTINE_AFTER_S:g})",
     )
     p.set_defaults(func=cmd_monitoring)
+
+    p = sub.add_parser(
+        "k8s",
+        parents=[common],
+        help="render the stack as Kubernetes objects: a RoleBasedGroup (or an LWS "
+        "DisaggregatedSet), the env files as a ConfigMap, smg's discovery, a PodMonitor per "
+        "role and the monitoring rules as a PrometheusRule",
+        description="Render the stack as Kubernetes objects from the env files, one YAML file "
+        "per object in --out (kubectl apply -f OUT). Refuses what `env check --monitoring` "
+        "refuses, instance files that differ in more than where they run, and anything that "
+        "fails its schema (the RBG, LWS and prometheus-operator CRDs vendored in "
+        "launch/k8s_schemas/, the Kubernetes API's own for core kinds) or smg's parser; "
+        "nothing is written then. The API key is read from a Secret that this does not write.",
+    )
+    p.add_argument("--out", type=Path, required=True, help="directory to write into")
+    p.add_argument(
+        "--force", action="store_true", help="write into --out even when it is not empty"
+    )
+    p.add_argument(
+        "--flavor",
+        choices=k8s.FLAVORS,
+        default="rbg",
+        help="rbg: a RoleBasedGroup and its CoordinatedPolicy (sgl-project/rbg); lws: an LWS "
+        "DisaggregatedSet for the engines and a Deployment for the router (default: rbg)",
+    )
+    p.add_argument(
+        "--image",
+        required=True,
+        help="the container image of every pod: the patched sglang wheel and smg installed, "
+        "python3 and smg on its PATH",
+    )
+    p.add_argument(
+        "--namespace", default="default", help="namespace of every object (default: default)"
+    )
+    p.add_argument(
+        "--api-key-secret",
+        metavar="NAME",
+        help="the Secret holding API_KEY when the env files set it, with the keys api-key and "
+        "engine.yaml (default: PD_UNIT_PREFIX-api-key)",
+    )
+    p.set_defaults(func=cmd_k8s)
 
     env = sub.add_parser("env", help="check, diff, snapshot and restore env files")
     env_sub = env.add_subparsers(dest="env_verb", required=True, metavar="ENV_VERB")
