@@ -4,18 +4,31 @@ stack is tests/engine/test_cpu_engines.py's chaos test."""
 
 from __future__ import annotations
 
+import asyncio
+import http.server
+import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 import types
+import urllib.request
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 
-from bench.lib import chaos, chaos_check, chaos_plan
+from bench.lib import chaos, chaos_alerts, chaos_check, chaos_plan, simstack
+from bench.lib.chaos_proxy import ChaosProxy
+from bench.lib.stack import stack_from_env_dir
+from bench.lib.triage import CONNECTION
 from launch.pdlib import envfiles
 from launch.pdlib.stack import free_loopback_ports
+from launch.pdlib.supervise import sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = {"prefill": ["prefill"], "decode": ["decode"]}
@@ -506,3 +519,252 @@ def test_a_simulated_answer_with_other_text_is_wrong():
     assert v.message == (
         "short/1#1 (short/1) answered the text 'tok0 tok9' against its reference's 'tok0 tok1'"
     )
+
+
+async def _served(handler, path: str = "/slow") -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_route("*", path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+def test_the_proxy_holds_requests_during_a_stall_and_resets_them_during_a_reset():
+    async def scenario():
+        release = asyncio.Event()
+
+        async def slow(request):
+            if request.query.get("wait"):
+                await release.wait()
+            return web.Response(text="answer")
+
+        upstream, url = await _served(slow)
+        proxy = ChaosProxy(url)
+        await proxy.start()
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+
+            async def get(query: str = "") -> str:
+                try:
+                    async with s.get(proxy.url + "/slow" + query) as resp:
+                        return await resp.text()
+                except aiohttp.ClientError as exc:
+                    return type(exc).__name__
+
+            try:
+                assert await get() == "answer"
+                proxy.stall()
+                held = asyncio.ensure_future(get())
+                await asyncio.sleep(0.5)
+                assert not held.done() and proxy.held == 1 and proxy.forwarding == 0
+                assert await proxy.idle(0.1)
+                proxy.end()
+                assert await held == "answer" and proxy.stalled == 1
+                # A reset: the request in flight is reset, and a new one during it.
+                inflight = asyncio.ensure_future(get("?wait=1"))
+                await asyncio.sleep(0.3)
+                assert proxy.forwarding == 1 and not await proxy.idle(0.1)
+                proxy.begin_reset()
+                assert (await inflight).startswith(("ClientOSError", "ServerDisconnected"))
+                assert (await get()).startswith(("ClientOSError", "ServerDisconnected"))
+                assert await proxy.idle(1.0)
+                proxy.end()
+                # aiohttp's client tries a reset GET again once on a fresh connection.
+                assert await get() == "answer" and proxy.resets >= 2
+            finally:
+                release.set()
+                await proxy.close()
+                await upstream.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_alerts_are_waited_for_until_they_fire_and_until_they_resolve(monkeypatch):
+    monkeypatch.setattr(chaos_alerts, "POLL_S", 0.2)
+    state = {"firing": False, "reads": 0}
+
+    async def alerts(_request):
+        state["reads"] += 1
+        labels = {"alertname": "PDInstanceDown", "pd_instance": "decode/2", "stack": "sm120pd"}
+        other = labels | {"stack": "another"}
+        listed = [{"labels": other, "state": "firing"}]
+        if state["firing"]:
+            listed.append({"labels": labels, "state": "firing"})
+        else:
+            listed.append({"labels": labels, "state": "pending"})
+        return web.json_response({"status": "success", "data": {"alerts": listed}})
+
+    async def scenario():
+        runner, url = await _served(alerts, "/api/v1/alerts")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        wanted = [("PDInstanceDown", "decode/2")]
+        try:
+            # Pending is not firing, and another stack's alert is not this one's.
+            seen, error = await chaos_alerts.wait(
+                url, "sm120pd", wanted, True, 0.6, lambda: loop.time() - t0
+            )
+            assert seen == {wanted[0]: None} and error == "" and state["reads"] >= 2
+            loop.call_later(0.5, state.update, {"firing": True})
+            seen, _ = await chaos_alerts.wait(url, "sm120pd", wanted, True, 5, loop.time)
+            assert seen[wanted[0]] is not None
+            loop.call_later(0.5, state.update, {"firing": False})
+            seen, _ = await chaos_alerts.wait(url, "sm120pd", wanted, False, 5, loop.time)
+            assert seen[wanted[0]] is not None
+        finally:
+            await runner.cleanup()
+        # Prometheus gone: the error is said, and nothing fired.
+        seen, error = await chaos_alerts.wait(url, "sm120pd", wanted, True, 0.1, loop.time)
+        assert seen == {wanted[0]: None} and "ClientConnectorError" in error
+
+    asyncio.run(scenario())
+
+
+# ---- on a simulated 2P2D stack (launch/pd up --sim, the real smg) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def sim_2p2d(tmp_path_factory):
+    """Two simulated prefills and two decodes behind the real smg, on free loopback ports."""
+    tmp = tmp_path_factory.mktemp("chaos-2p2d")
+    env_dir = simstack.prepare_env(ROOT / "env", tmp / "env", {})
+    ports = iter(free_loopback_ports(6))
+    for role in ("prefill", "decode"):
+        for n in (1, 2):
+            lines = [f"# {role} instance {n}", f"{role.upper()}_PORT={next(ports)}"]
+            if role == "prefill":
+                lines.append(f"PREFILL_BOOTSTRAP_PORT={next(ports)}")
+            (env_dir / f"{role}.{n}.env").write_text("\n".join(lines) + "\n")
+    try:
+        up = simstack._pd("up", env_dir, 120)
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield env_dir
+    finally:
+        simstack._pd("down", env_dir, 60)
+        sweep(tmp / "run", env_dir)
+
+
+class FakePrometheus(http.server.ThreadingHTTPServer):
+    """Prometheus's alerts API for one rule, evaluated at each read: PDInstanceDown fires for
+    every engine whose /health does not answer within 0.3 s."""
+
+    def __init__(self, engines: dict[str, str]):
+        self.engines = engines
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(handler):  # noqa: N805
+                if handler.path == chaos_alerts.RULES_PATH:
+                    rules = [{"type": "alerting", "name": n} for n in ("PDInstanceDown",)]
+                    data = {"groups": [{"rules": rules}]}
+                else:
+                    data = {"alerts": [self.alert(name) for name in self.down()]}
+                body = json.dumps({"status": "success", "data": data}).encode()
+                handler.send_response(200)
+                handler.send_header("Content-Type", "application/json")
+                handler.end_headers()
+                handler.wfile.write(body)
+
+            def log_message(handler, *args):  # noqa: N805
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def down(self) -> list[str]:
+        found = []
+        for name, url in self.engines.items():
+            try:
+                urllib.request.urlopen(url + "/health", timeout=0.3).close()
+            except OSError:
+                found.append(name)
+        return found
+
+    @staticmethod
+    def alert(name: str) -> dict:
+        labels = {"alertname": "PDInstanceDown", "pd_instance": name, "stack": "sm120pd"}
+        return {"labels": labels, "state": "firing"}
+
+
+# Short runs: a gap of 0.5 s before each fault, holds of 1 to 2 s, short prompts.
+SIM_RUN = (
+    *("--sim", "--gap-s", "0.5", "--hold-s", "1,2", "--duration", "1", "--settle-s", "20"),
+    *("--recover-s", "30", "--command-timeout-s", "120", "--long-words", "40"),
+)
+
+
+def test_rolling_restart_proxy_faults_and_alerts_on_a_sim_2p2d_stack_break_no_invariant(
+    sim_2p2d, tmp_path
+):
+    """Seed 2: a rolling restart of both prefills, a proxy reset, a proxy stall, and an
+    engine-stop of prefill/1 whose PDInstanceDown a Prometheus stand-in fires and resolves."""
+    engines = dict(stack_from_env_dir(sim_2p2d).engines())
+    prometheus = FakePrometheus(engines)
+    threading.Thread(target=prometheus.serve_forever, daemon=True).start()
+    kinds = "engine-stop,rolling-restart,proxy-stall,proxy-reset"
+    out = tmp_path / "out"
+    try:
+        run = chaos_cli(
+            *("--env-dir", str(sim_2p2d), "--seed", "2", "--faults", "4", "--kinds", kinds),
+            *(*SIM_RUN, "--prometheus", prometheus.url, "--alert-wait-s", "20"),
+            *("--out", str(out)),
+            timeout=150,
+        )
+    finally:
+        prometheus.shutdown()
+    print(run.stdout[-3000:])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    faults = {f["kind"]: f for f in history if f["type"] == "fault"}
+    assert list(faults) == ["rolling-restart", "proxy-reset", "proxy-stall", "engine-stop"]
+    assert faults["rolling-restart"]["parts"][0]["rc"] == 0
+    for kind in chaos_plan.PROXIES:
+        triage = faults[kind]["triage"]
+        assert triage["verdict"] == CONNECTION and triage["named"] == ["clients"], triage
+    assert faults["proxy-stall"]["parts"][0]["stalled"] >= 1
+    assert faults["proxy-reset"]["parts"][0]["reset"] >= 1
+    (alerts,) = [r for r in history if r["type"] == "alerts"]
+    (alert,) = alerts["alerts"]
+    assert (alert["alert"], alert["instance"]) == ("PDInstanceDown", "prefill/1")
+    assert faults["engine-stop"]["start"] < alert["fired"] < faults["engine-stop"]["end"]
+    assert alert["resolved"] > faults["engine-stop"]["end"]
+    windows = {str(f["index"]): k for k, f in faults.items()}
+    failed = [r for r in history if r["type"] == "request" and not r["ok"]]
+    assert {windows[r["window"]] for r in failed} <= {"proxy-reset", "engine-stop"}, failed
+    assert [r for r in failed if windows[r["window"]] == "proxy-reset"], "no request was reset"
+    report = (out / "report.md").read_text()
+    assert "| rolling-restart | 1 |" in report and "| 4 | PDInstanceDown | prefill/1 |" in report
+
+
+def test_an_interrupted_run_continues_what_it_stopped_and_writes_its_report(sim_2p2d, tmp_path):
+    out = tmp_path / "out"
+    target = chaos.Target(sim_2p2d, sim=True)
+    run = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "chaos"), "--env-dir", str(sim_2p2d)]
+        + [*SIM_RUN, "--hold-s", "60,60", "--kinds", "engine-stop", "--faults", "1"]
+        + ["--out", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        group = []
+        for _ in range(300):  # until the engine is stopped, 30 s at most
+            group = [p for name in target.stack.roles for p in chaos.stopped(target.group(name))]
+            if group or run.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert group, "no engine was stopped"
+        run.send_signal(signal.SIGTERM)
+        output, _ = run.communicate(timeout=30)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    print(output[-2000:])
+    assert run.returncode == chaos.INTERRUPTED, output[-2000:]
+    assert not [p for name in target.stack.roles for p in chaos.stopped(target.group(name))]
+    report = (out / "report.md").read_text()
+    assert "**Interrupted** by SIGTERM at " in report and "in fault #1's window" in report
+    assert "interrupted by SIGTERM; every process it stopped was continued" in output
