@@ -28,6 +28,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import k8s_kubelet
 import psutil
 import pytest
 import yaml
@@ -59,7 +60,7 @@ from engine_harness import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from launch.pdlib import envfiles, loads, maintenance, monitoring, wedged
+from launch.pdlib import envfiles, k8s, k8s_schema, loads, maintenance, monitoring, wedged
 from launch.pdlib.stack import free_loopback_ports, load_stack
 from launch.pdlib.stack import http as http_get
 
@@ -1132,6 +1133,51 @@ def test_down_stops_everything_and_removes_the_key_files_and_snapshot_files(cpu_
         print(f"{role}: {path} removed by {'the engine' if by_engine else 'launch/pd'}")
         assert by_engine or by_pd, (role, done.stdout, cpu_stack.log(role)[-2000:])
     assert loads_files_left(LOADS_FILES_BEFORE_UP) == set()
+
+
+def test_the_k8s_pods_commands_serve_the_stacks_greedy_tokens_and_answer_their_probes(
+    cpu_stack, tmp_path
+):
+    """`launch/pd k8s` rendered from this stack's env files (its API key included), each pod's
+    container run as a local process from its own command, args and env by a kubelet stand-in
+    (tests/engine/k8s_kubelet.py), the router given the workers its selectors select: every
+    startup, readiness and liveness probe answers 200 on its path and port, the stack serves
+    GREEDY with the tokens the launch/pd stack gave, an engine's preStop drain returns at
+    once on an idle engine, and each engine removes its load snapshot file as it stops. It runs
+    after `down` (one stack at a time on the machine); the standalone engine below then
+    checks these tokens too."""
+    if "first stack" not in THROUGH_PD:
+        THROUGH_PD["first stack"] = cpu_stack.post("/generate", GREEDY)["output_ids"]
+        down = pd(cpu_stack.env_dir, "down", timeout=180)
+        assert down.returncode == 0, down.stdout + down.stderr
+    stack = load_stack(cpu_stack.env_dir, sim=False)
+    opts = k8s.Options("rbg", "default", "sm120pd:test", f"{stack.unit_prefix}-api-key")
+    rendered = k8s.objects(cpu_stack.env_dir, opts)
+    assert [p for item in rendered for p in k8s_schema.problems(item.obj)] == []
+    pods = k8s_kubelet.pods_of(rendered, tmp_path, k8s_kubelet.secret_data(opts, cpu_stack.key))
+    assert [p.name for p in pods] == ["prefill", "decode", "router"]
+    try:
+        for pod in pods:  # the RBG's dependencies: prefill, decode, then the router
+            pod.start(pods)
+            pod.wait_probe("startupProbe", 300)
+        router = pods[-1]
+        router.wait_probe("readinessProbe", 120)
+        for pod in pods:
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                url, status = pod.probe(kind)
+                print(f"{pod.name} {kind} {url}: {status}")
+                assert status == 200, (pod.name, kind, url, status)
+        THROUGH_PD["k8s pods"] = cpu_stack.post("/generate", GREEDY)["output_ids"]
+        assert THROUGH_PD["k8s pods"] == THROUGH_PD["first stack"]
+        for pod in pods[:2]:
+            hook = pod.pre_stop()
+            assert hook.returncode == 0 and "drained after" in hook.stdout, hook
+    finally:
+        for pod in reversed(pods):
+            pod.stop()
+    assert loads_files_left(LOADS_FILES_BEFORE_UP) == set()
+    for pod in pods:
+        assert cpu_stack.key not in pod.log.read_text(errors="replace"), pod.name
 
 
 def test_greedy_output_through_pd_equals_a_standalone_engine(cpu_stack, tmp_path):
