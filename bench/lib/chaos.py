@@ -877,6 +877,7 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
     load = None
     proxy = None
     caught: list[str] = []
+    injecting: chaos_plan.Fault | None = None
     on_signals(asyncio.current_task(), caught)
     try:
         if any(kind in chaos_plan.PROXIES for kind in opts.kinds):
@@ -946,7 +947,9 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
             wait = max(opts.gap_s, load_start + fault.at_s - history.now())
             await asyncio.sleep(wait)
             say(history, f"injecting {fault.describe()}")
+            injecting = fault
             record = await injector.inject(fault)
+            injecting = None
             history.add(record)
             problems = [p["error"] for p in record["parts"] if p.get("error")]
             say(
@@ -999,6 +1002,7 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                 "signal": caught[0],
                 "at": history.now(),
                 "window": shared.window,
+                "injecting": injecting.describe() if injecting else None,
             }
         )
         say(history, f"{caught[0]}: interrupted; continuing what it stopped, then the report")

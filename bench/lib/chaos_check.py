@@ -329,12 +329,23 @@ def render(history: list[dict], violations: list[Violation]) -> str:
         where = (
             "the final load" if stop["window"] == "final" else f"fault #{stop['window']}'s window"
         )
+        during = (
+            f", while injecting {stop['injecting']} (that fault has no row: it did not end)"
+            if stop.get("injecting")
+            else ""
+        )
         lines += [
-            f"**Interrupted** by {stop['signal']} at {stop['at']:.1f} s, in {where}: this report "
-            "covers the history until then (a fault still being injected has no row; every "
-            "process the run stopped was continued).",
+            f"**Interrupted** by {stop['signal']} at {stop['at']:.1f} s, in {where}{during}: "
+            "this report covers the history until then, and every process the run stopped was "
+            "continued.",
             "",
         ]
+    lines += [
+        f"**Interrupted** by {stop['signal']} at {stop['at']:.1f} s, in {where}: this report "
+        "covers the history until then (a fault still being injected has no row; every "
+        "process the run stopped was continued).",
+        "",
+    ]
     lines += [
         f"Seed {run.get('seed')}, {len(rows)} fault(s) run of {len(run.get('schedule', []))} "
         f"drawn, stack `{run.get('env_dir')}`; the schedule: `{run.get('replay')}`.",
@@ -345,7 +356,11 @@ def render(history: list[dict], violations: list[Violation]) -> str:
         "",
         "**Result: "
         + (
-            "every invariant held.**"
+            (
+                "every invariant held so far.**"
+                if _of(history, "interrupted")
+                else "every invariant held.**"
+            )
             if not violations
             else f"{len(violations)} broken invariant(s).**"
         ),

@@ -497,12 +497,15 @@ def test_a_failed_request_during_a_rolling_restart_is_caught():
 
 def test_an_interrupted_run_reports_the_history_so_far_and_says_so():
     history = clean_history()[:-1]
-    history.append({"type": "interrupted", "signal": "SIGTERM", "at": 21.5, "window": "2"})
+    stop = {"type": "interrupted", "signal": "SIGTERM", "at": 21.5, "window": "2"}
+    history.append(stop | {"injecting": "#2 at 9.0 s: engine-stop prefill for 30.0 s"})
     report = chaos_check.render(history, chaos_check.check(history))
     assert report.startswith(
-        "# bench/chaos report\n\n**Interrupted** by SIGTERM at 21.5 s, in fault #2's window: this "
-        "report covers the history until then"
+        "# bench/chaos report\n\n**Interrupted** by SIGTERM at 21.5 s, in fault #2's window, "
+        "while injecting #2 at 9.0 s: engine-stop prefill for 30.0 s (that fault has no row: it "
+        "did not end): this report covers the history until then"
     )
+    assert "**Result: every invariant held so far.**" in report
     assert "| engine-stop | 1 | 3 | 1 | 0 | 0 | 1.2 s | 0.5 s |" in report
 
 
@@ -766,5 +769,6 @@ def test_an_interrupted_run_continues_what_it_stopped_and_writes_its_report(sim_
     assert run.returncode == chaos.INTERRUPTED, output[-2000:]
     assert not [p for name in target.stack.roles for p in chaos.stopped(target.group(name))]
     report = (out / "report.md").read_text()
-    assert "**Interrupted** by SIGTERM at " in report and "in fault #1's window" in report
+    assert "**Interrupted** by SIGTERM at " in report
+    assert "in fault #1's window, while injecting #1 at " in report
     assert "interrupted by SIGTERM; every process it stopped was continued" in output
