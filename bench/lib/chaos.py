@@ -2,7 +2,8 @@
 invariants checked after every fault and at a final settle.
 
 The load mixes short greedy requests and long prompts (each compared with the answer it got on
-the healthy stack before any fault) and multiround chat sessions, through the router. Faults
+the healthy stack before any fault) and multiround chat sessions, through the router (through
+this tool's own connection proxy, bench/lib/chaos_proxy.py, when proxy faults are drawn). Faults
 come from bench/lib/chaos_plan.py's catalogue, one at a time: the load runs a while, the fault
 is injected and ended, the load runs until a request succeeds again, then pauses (no new
 request; those in flight end) and every engine must hold nothing within the settle bound.
@@ -12,8 +13,10 @@ what is already down.
 
 Everything is bounded: requests by count (--max-requests) and each by the bound its timeouts
 imply (cut off and counted as a hang past it), each restart command by --command-timeout-s,
-recovery by --recover-s, settling by --settle-s. A process this tool stopped is continued
-before it exits, however it exits (SIGTERM and Ctrl-C included). Loopback stacks only.
+recovery by --recover-s, settling by --settle-s, the wait for an expected alert (--prometheus)
+by --alert-wait-s. A process this tool stopped is continued before it exits, however it exits;
+Ctrl-C and SIGTERM end the run with report.md written from the history so far, marked as
+interrupted (exit 130). Loopback stacks only.
 """
 
 from __future__ import annotations
@@ -1088,7 +1091,8 @@ def parser() -> argparse.ArgumentParser:
         "answer, none hung past its bound, every engine holds nothing once load pauses, and "
         "triage named the faulted component where requests failed. Writes history.jsonl and "
         "report.md to --out; exit 0 when every invariant held, 1 when one broke (with the "
-        "command that replays that fault alone), 2 on bad input or a stack that is not up.",
+        "command that replays that fault alone), 2 on bad input or a stack that is not up, 130 "
+        "when interrupted (Ctrl-C, SIGTERM; report.md is written from the history so far).",
         formatter_class=_DefaultsInHelp,
     )
     p.add_argument(
@@ -1125,7 +1129,7 @@ def parser() -> argparse.ArgumentParser:
         type=_holds,
         default=",".join(f"{s:g}" for s in chaos_plan.HOLD_S),
         metavar="MIN,MAX",
-        help="range of a stop fault's hold, in seconds",
+        help="range of a stop or proxy fault's hold, in seconds",
     )
     p.add_argument(
         "--only-fault",
@@ -1361,7 +1365,7 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(run(opts, target, schedule, replay))
     except KeyboardInterrupt:
         print("bench/chaos: interrupted; every process it stopped was continued", file=sys.stderr)
-        return 1
+        return INTERRUPTED
 
 
 if __name__ == "__main__":
