@@ -478,6 +478,8 @@ class Injector:
     ):
         self.opts, self.target, self.shared, self.paused = opts, target, shared, paused
         self.model, self.proxy = model, proxy
+        # launch/pd commands an interruption killed before they ended.
+        self.cut: list[str] = []
 
     def now(self) -> float:
         return self.shared.history.now()
@@ -502,6 +504,12 @@ class Injector:
             proc.kill()
             out, _ = await proc.communicate()
             out += f"\n(killed after {self.opts.command_timeout_s:g} s)".encode()
+        except asyncio.CancelledError:
+            # Interrupted: killed now rather than left to the event loop's close, and said.
+            proc.kill()
+            await proc.wait()
+            self.cut.append(f"launch/pd {' '.join(verb)}")
+            raise
         text = redact(out.decode(errors="replace"), self.opts.api_key)
         return (proc.returncode if proc.returncode is not None else -1), text
 
@@ -881,6 +889,7 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
     proxy = None
     caught: list[str] = []
     injecting: chaos_plan.Fault | None = None
+    injector = None
     on_signals(asyncio.current_task(), caught)
     try:
         if any(kind in chaos_plan.PROXIES for kind in opts.kinds):
@@ -1006,6 +1015,7 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                 "at": history.now(),
                 "window": shared.window,
                 "injecting": injecting.describe() if injecting else None,
+                "commands_killed": injector.cut if injector else [],
             }
         )
         say(history, f"{caught[0]}: interrupted; continuing what it stopped, then the report")

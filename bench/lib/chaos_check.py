@@ -334,18 +334,16 @@ def render(history: list[dict], violations: list[Violation]) -> str:
             if stop.get("injecting")
             else ""
         )
+        killed = "".join(
+            f" `{cmd}` was running and was killed: `launch/pd status` shows what it left."
+            for cmd in stop.get("commands_killed") or []
+        )
         lines += [
             f"**Interrupted** by {stop['signal']} at {stop['at']:.1f} s, in {where}{during}: "
             "this report covers the history until then, and every process the run stopped was "
-            "continued.",
+            f"continued.{killed}",
             "",
         ]
-    lines += [
-        f"**Interrupted** by {stop['signal']} at {stop['at']:.1f} s, in {where}: this report "
-        "covers the history until then (a fault still being injected has no row; every "
-        "process the run stopped was continued).",
-        "",
-    ]
     lines += [
         f"Seed {run.get('seed')}, {len(rows)} fault(s) run of {len(run.get('schedule', []))} "
         f"drawn, stack `{run.get('env_dir')}`; the schedule: `{run.get('replay')}`.",

@@ -499,6 +499,7 @@ def test_an_interrupted_run_reports_the_history_so_far_and_says_so():
     history = clean_history()[:-1]
     stop = {"type": "interrupted", "signal": "SIGTERM", "at": 21.5, "window": "2"}
     history.append(stop | {"injecting": "#2 at 9.0 s: engine-stop prefill for 30.0 s"})
+    history[-1]["commands_killed"] = ["launch/pd restart decode"]
     report = chaos_check.render(history, chaos_check.check(history))
     assert report.startswith(
         "# bench/chaos report\n\n**Interrupted** by SIGTERM at 21.5 s, in fault #2's window, "
@@ -506,6 +507,7 @@ def test_an_interrupted_run_reports_the_history_so_far_and_says_so():
         "did not end): this report covers the history until then"
     )
     assert "**Result: every invariant held so far.**" in report
+    assert "`launch/pd restart decode` was running and was killed: `launch/pd status`" in report
     assert "| engine-stop | 1 | 3 | 1 | 0 | 0 | 1.2 s | 0.5 s |" in report
 
 
