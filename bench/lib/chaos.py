@@ -673,10 +673,10 @@ class Injector:
             proxy.begin_reset()
 
         async def engines_idle() -> None:
-            # Triage reads idle engines only once what was forwarded before the fault ended.
-            record["forwarding_at_triage"] = (
-                0 if await proxy.idle(PROXY_IDLE_S) else (proxy.forwarding)
-            )
+            # The requests forwarded before the fault began end first: triage must find the
+            # engines idle, or it cannot tell the connection layer from a busy engine.
+            await proxy.idle(PROXY_IDLE_S)
+            record["forwarding_at_triage"] = proxy.forwarding
 
         try:
             await self._hold(part, record, triage_for, fault, 0.5, engines_idle)
