@@ -5,14 +5,13 @@ stack is tests/engine/test_cpu_engines.py's chaos test."""
 from __future__ import annotations
 
 import asyncio
-import http.server
+import contextlib
 import json
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import types
 import urllib.request
@@ -24,9 +23,8 @@ from aiohttp import web
 
 from bench.lib import chaos, chaos_alerts, chaos_check, chaos_plan, simstack
 from bench.lib.chaos_proxy import ChaosProxy
-from bench.lib.stack import stack_from_env_dir
 from bench.lib.triage import CONNECTION
-from launch.pdlib import envfiles
+from launch.pdlib import envfiles, monitoring
 from launch.pdlib.stack import free_loopback_ports
 from launch.pdlib.supervise import sweep
 
@@ -651,45 +649,52 @@ def sim_2p2d(tmp_path_factory):
         sweep(tmp / "run", env_dir)
 
 
-class FakePrometheus(http.server.ThreadingHTTPServer):
-    """Prometheus's alerts API for one rule, evaluated at each read: PDInstanceDown fires for
-    every engine whose /health does not answer within 0.3 s."""
-
-    def __init__(self, engines: dict[str, str]):
-        self.engines = engines
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(handler):  # noqa: N805
-                if handler.path == chaos_alerts.RULES_PATH:
-                    rules = [{"type": "alerting", "name": n} for n in ("PDInstanceDown",)]
-                    data = {"groups": [{"rules": rules}]}
-                else:
-                    data = {"alerts": [self.alert(name) for name in self.down()]}
-                body = json.dumps({"status": "success", "data": data}).encode()
-                handler.send_response(200)
-                handler.send_header("Content-Type", "application/json")
-                handler.end_headers()
-                handler.wfile.write(body)
-
-            def log_message(handler, *args):  # noqa: N805
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-
-    def down(self) -> list[str]:
-        found = []
-        for name, url in self.engines.items():
+@contextlib.contextmanager
+def prometheus_on(env_dir: Path, tmp: Path):
+    """A real Prometheus (./build.sh test unpacks Debian's into build/prometheus) with the rules
+    and targets `launch/pd monitoring` renders for the stack: every target scraped and every
+    rule evaluated each second, an instance down after 3 s."""
+    out = tmp / "monitoring"
+    done = subprocess.run(
+        [str(ROOT / "launch" / "pd"), "monitoring", "--env-dir", str(env_dir), "--out", str(out)]
+        + ["--scrape-interval", "1", "--down-after", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    binary = monitoring.tool("prometheus")
+    assert binary, "no prometheus: ./build.sh test unpacks Debian's into build/prometheus"
+    (port,) = free_loopback_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    log = tmp / "prometheus.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={out / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+            ]
+            + [f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        for _ in range(600):  # ready within 60 s
+            assert proc.poll() is None, log.read_text()[-2000:]
             try:
-                urllib.request.urlopen(url + "/health", timeout=0.3).close()
+                with urllib.request.urlopen(url + "/-/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
             except OSError:
-                found.append(name)
-        return found
-
-    @staticmethod
-    def alert(name: str) -> dict:
-        labels = {"alertname": "PDInstanceDown", "pd_instance": name, "stack": "sm120pd"}
-        return {"labels": labels, "state": "firing"}
+                time.sleep(0.1)
+        else:
+            raise AssertionError(f"prometheus not ready: {log.read_text()[-2000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 # Short runs: a gap of 0.5 s before each fault, holds of 1 to 2 s, short prompts.
@@ -703,21 +708,16 @@ def test_rolling_restart_proxy_faults_and_alerts_on_a_sim_2p2d_stack_break_no_in
     sim_2p2d, tmp_path
 ):
     """Seed 2: a rolling restart of both prefills, a proxy reset, a proxy stall, and an
-    engine-stop of prefill/1 whose PDInstanceDown a Prometheus stand-in fires and resolves."""
-    engines = dict(stack_from_env_dir(sim_2p2d).engines())
-    prometheus = FakePrometheus(engines)
-    threading.Thread(target=prometheus.serve_forever, daemon=True).start()
+    engine-stop of prefill/1 whose PDInstanceDown a real Prometheus fires and resolves."""
     kinds = "engine-stop,rolling-restart,proxy-stall,proxy-reset"
     out = tmp_path / "out"
-    try:
+    with prometheus_on(sim_2p2d, tmp_path) as prometheus:
         run = chaos_cli(
             *("--env-dir", str(sim_2p2d), "--seed", "2", "--faults", "4", "--kinds", kinds),
-            *(*SIM_RUN, "--prometheus", prometheus.url, "--alert-wait-s", "20"),
+            *(*SIM_RUN, "--prometheus", prometheus, "--alert-wait-s", "30"),
             *("--out", str(out)),
-            timeout=150,
+            timeout=180,
         )
-    finally:
-        prometheus.shutdown()
     print(run.stdout[-3000:])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
