@@ -406,8 +406,8 @@ def router_container(stack: Stack, opts: Options) -> tuple[dict, dict]:
         "not restarted for it (readiness covers that).",
         ("spec", "terminationGracePeriodSeconds"): f"smg drains in-flight requests for "
         f"--shutdown-grace-period-secs ({grace} s) after SIGTERM; 10 s more before SIGKILL.",
-        ("spec", "serviceAccountName"): "smg lists and watches pods in this namespace (the Role "
-        "below).",
+        ("spec", "serviceAccountName"): "smg lists and watches pods in this namespace (Role "
+        f"{stack.unit_prefix}-router).",
     }
     return pod, comments
 
