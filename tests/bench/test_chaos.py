@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 import urllib.request
@@ -774,3 +776,33 @@ def test_an_interrupted_run_continues_what_it_stopped_and_writes_its_report(sim_
     assert "**Interrupted** by SIGTERM at " in report
     assert "in fault #1's window, while injecting #1 at " in report
     assert "interrupted by SIGTERM; every process it stopped was continued" in output
+
+
+def test_a_prometheus_without_the_expected_rules_is_refused():
+    class Rules(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            rules = [{"type": "alerting", "name": "PDInstanceDown"}]
+            body = {"status": "success", "data": {"groups": [{"rules": rules}]}}
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(body).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Rules)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert chaos.prometheus_problem(url, ["engine-stop", "engine-kill", "proxy-stall"]) == ""
+        # An overlap's alerts are its stops': a scheduler-stop's rule is missing.
+        assert chaos.prometheus_problem(url, ["overlap"]) == (
+            "no alerting rule PDSchedulerStalled loaded (render them with launch/pd monitoring "
+            "for this stack and load its rules.yml)"
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    said = chaos.prometheus_problem(url, ["engine-stop"])
+    assert said.startswith("its rules could not be read: ClientConnectorError"), said
