@@ -88,3 +88,101 @@ def test_a_fence_that_is_done_proves_the_earlier_write_landed():
     # The fence read decode's first bytes, which the write had set.
     assert got["scratch"] == got["dst_head"]
     assert got["fence_to_unknown_peer"].startswith("ERR")
+
+
+# The decode agent in a process of its own, SIGKILLed as bench/chaos's seed 3 fault 2 killed
+# decode: once while prefill's 256 MiB write to it is in flight, once before prefill posts it
+# (prefill was stopped then, and resumed after the kill).
+CHILD_KILLED_PEER = r"""
+import base64, importlib.util, json, signal, subprocess, sys, time
+import numpy as np
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+spec = importlib.util.spec_from_file_location("nixl_drain_proof", sys.argv[1])
+proof = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(proof)
+
+DECODE = '''
+import base64, time, numpy as np
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+a = nixl_agent("decode", nixl_agent_config(backends=["UCX"], num_threads=0,
+    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+dst = np.zeros(256 << 20, dtype=np.uint8)
+a.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+print("META", base64.b64encode(a.get_agent_metadata()).decode(), dst.ctypes.data, flush=True)
+time.sleep(300)
+'''
+size = 256 << 20
+prefill = nixl_agent("prefill", nixl_agent_config(backends=["UCX"], num_threads=8,
+    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+src = np.ones(size, dtype=np.uint8)
+scratch = np.zeros(64, dtype=np.uint8)
+for arr in (src, scratch):
+    prefill.register_memory([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
+out = {}
+for when in ("in flight", "before the post"):
+    decode = subprocess.Popen([sys.executable, "-c", DECODE], stdout=subprocess.PIPE, text=True)
+    line = decode.stdout.readline()
+    while not line.startswith("META"):
+        line = decode.stdout.readline()
+    _, meta, addr = line.split()
+    addr = int(addr)
+    prefill.add_remote_agent(base64.b64decode(meta))
+    def write(n):
+        return prefill.initialize_xfer(
+            "WRITE",
+            prefill.get_xfer_descs([(src.ctypes.data, n, 0)], "DRAM"),
+            prefill.get_xfer_descs([(addr, n, 0)], "DRAM"),
+            "decode")
+    small = write(8)
+    state = prefill.transfer(small)
+    while state == "PROC":
+        state = prefill.check_xfer_state(small)
+    got = out[when] = {"connected": state}
+    handle = write(size)
+    if when == "in flight":
+        got["posted"] = prefill.transfer(handle)
+        decode.send_signal(signal.SIGKILL)
+        decode.wait()
+    else:
+        decode.send_signal(signal.SIGKILL)
+        decode.wait()
+        time.sleep(1)
+        try:
+            got["posted"] = prefill.transfer(handle)
+        except Exception as e:
+            got["posted"] = f"raised {type(e).__name__}"
+    started = time.monotonic()
+    got["running"] = proof._settle(prefill, [handle], started + 10)
+    got["settle_s"] = round(time.monotonic() - started, 3)
+    got["state"] = proof.state_of(prefill, handle)
+    got["fence"] = proof.fence(prefill, "decode", addr, scratch.ctypes.data, time.monotonic() + 10)
+    prefill.remove_remote_agent("decode")
+print(json.dumps(out))
+"""
+
+
+def test_a_handle_to_a_killed_decode_settles_as_an_error_at_once():
+    """A write to a decode agent whose process was killed reads NIXL_ERR_REMOTE_DISCONNECT,
+    which NIXL's binding raises instead of answering "ERR": the proof takes it as ended (its
+    endpoint failed), both for a write in flight at the kill and for one posted after it, and
+    the fence to that decode fails too. Read as running, it held the proof for its 30 s and
+    then ended the prefill process (bench/chaos seed 3, fault 2)."""
+    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo")
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD_KILLED_PEER, str(MODULE)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    print(got)
+    flight, before = got["in flight"], got["before the post"]
+    assert flight["connected"] == before["connected"] == "DONE"
+    assert flight["posted"] == "PROC"
+    assert before["posted"] == "raised nixlRemoteDisconnectError"
+    for case in (flight, before):
+        assert case["running"] == 0 and case["settle_s"] < 5, case
+        assert case["state"] == "ERR" and case["fence"].startswith("ERR"), case

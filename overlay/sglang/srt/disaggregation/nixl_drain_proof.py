@@ -11,7 +11,8 @@ the life of the prefill process.
 
 Here the transfer worker proves the drain itself, on its own thread:
 1. every handle of the batch, the rejected posts included (`note_rejected`), is polled until
-   it is DONE or ERR;
+   it is DONE or ERR (NIXL raises NIXL_ERR_REMOTE_DISCONNECT for a handle whose endpoint
+   failed, a decode killed among them: that is ERR, `state_of` says why);
 2. then a fence goes to every decode agent of the room: an 8-byte READ of that decode's
    registered aux buffer into a scratch buffer of ours. NIXL's UCX backend chooses the UCX
    worker per posting thread and ends each transfer with a flush of that worker's endpoint to
@@ -122,17 +123,29 @@ def prove_drained(mgr: Any, room: int, handles: list, transfer_infos: dict | Non
         mgr._maybe_ack_drained_abort(room)
 
 
+def state_of(agent: Any, handle: Any) -> str:
+    """A handle's state: "DONE", "ERR" or "PROC". NIXL's binding raises, rather than answer,
+    for an error its Python API has no word for. NIXL_ERR_REMOTE_DISCONNECT is the UCX
+    backend's word for a request that ended on a failed endpoint (connection reset, endpoint
+    timeout, not connected), or was refused because its endpoint had failed before the post:
+    ended, as ERR, on the same UCX guarantee the fence rests on (every operation of a failed
+    endpoint completes, and nothing more goes out on it). It is what a handle reads once the
+    decode it writes to was killed, whether the write was in flight or posted after the kill.
+    Any other state that cannot be read counts as running."""
+    try:
+        return agent.check_xfer_state(handle)
+    except Exception as e:
+        disconnected = type(e).__name__ == "nixlRemoteDisconnectError"
+        return "ERR" if disconnected or "NIXL_ERR_REMOTE_DISCONNECT" in str(e) else "PROC"
+
+
 def _settle(agent: Any, handles: list, deadline: float) -> int:
-    """Poll until every handle is DONE or ERR; the number still running at the deadline. A
-    state that cannot be read counts as running."""
+    """Poll until every handle is DONE or ERR (`state_of`); the number still running at the
+    deadline."""
     while True:
         running = 0
         for handle in handles:
-            try:
-                state = agent.check_xfer_state(handle)
-            except Exception:
-                state = "PROC"
-            if state not in ("DONE", "ERR"):
+            if state_of(agent, handle) not in ("DONE", "ERR"):
                 running += 1
         if running == 0 or time.monotonic() >= deadline:
             return running
