@@ -43,10 +43,8 @@ class ChaosProxy(FaultProxy):
         """Listen on a free port of host; its URL."""
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        self.url = f"http://{host}:{port}"
+        await web.TCPSite(self._runner, host, 0).start()
+        self.url = f"http://{host}:{self._runner.addresses[0][1]}"
         return self.url
 
     async def close(self) -> None:

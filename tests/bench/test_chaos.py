@@ -531,9 +531,8 @@ async def _served(handler, path: str = "/slow") -> tuple[web.AppRunner, str]:
     app.router.add_route("*", path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 def test_the_proxy_holds_requests_during_a_stall_and_resets_them_during_a_reset():
