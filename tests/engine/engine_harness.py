@@ -787,6 +787,72 @@ def post_error_room_drained(stack: Stack, fault: Path, body: dict) -> str:
     return [ln for ln in stack.log("prefill").splitlines() if DRAIN_PROVEN.search(ln)][-1]
 
 
+# nixl_drain_proof.PROOF_TIMEOUT_S: past it, a prefill that proved nothing exits.
+PROOF_TIMEOUT_S = 30
+PROOF_FAILED = "NIXL cannot prove room"
+
+
+def decode_killed_while_prefill_stopped_mid_transfer(stack: Stack, long_body: dict) -> str:
+    """bench/chaos seed 3, fault 2 (an engine-stop of prefill and, while it is held, an
+    engine-kill of decode), at a point that cannot be missed: prefill's scheduler stopped just
+    after it starts sending a long room (stop_after_first_chunk), decode's process group
+    killed, prefill resumed. Prefill's writes to the dead decode (one in flight, or the next
+    chunk's post) read NIXL_ERR_REMOTE_DISCONNECT. That used to count as still running, so the
+    drain proof waited its 30 s and ended the prefill process, and nothing brought it back.
+    Here prefill proves the room drained at once, stays up and holds nothing, and once
+    `launch/pd restart decode` is done the stack serves. Returns prefill's proof line."""
+    ready(stack)
+    prefill_pid = stack.pid("prefill")
+    prefill = stack.schedulers("prefill")
+    log = stack.log("prefill")
+    batches, failed_before = log.count("Prefill batch"), log.count(PROOF_FAILED)
+    proven_before = len(DRAIN_PROVEN.findall(log))
+    decode = psutil.Process(stack.pid("decode"))
+    decode_procs = [decode, *decode.children(recursive=True)]
+    suspend(prefill)
+    try:
+        call = Call(stack, long_body)
+        call.start()
+        wait_for(
+            lambda: loads.held(stack.loads("decode")).get("decode_transfer_queue_reqs") == 1,
+            stack.waiting_s / 2,
+            "decode sending the long room's destinations",
+        )
+        steps = stop_after_first_chunk(stack, prefill, batches)
+        os.killpg(decode.pid, signal.SIGKILL)
+        _gone, alive = psutil.wait_procs(decode_procs, timeout=30)
+        assert not alive, alive
+        print(f"prefill stopped after {steps} steps; decode killed")
+    finally:
+        resume(prefill)
+    resumed = time.monotonic()
+
+    def verdict() -> bool:
+        text = stack.log("prefill")
+        return len(DRAIN_PROVEN.findall(text)) > proven_before or (
+            text.count(PROOF_FAILED) > failed_before
+        )
+
+    wait_for(verdict, PROOF_TIMEOUT_S + 20, "prefill's drain proof", lambda: "")
+    text = stack.log("prefill")
+    assert text.count(PROOF_FAILED) == failed_before, text[-3000:]
+    line = [ln for ln in text.splitlines() if DRAIN_PROVEN.search(ln)][-1]
+    call.join(120)
+    assert not call.is_alive()
+    assert call.status is None or call.status >= 400, (call.status, call.text[:2000])
+    wait_idle(stack, "prefill", timeout_s=60)
+    done = pd(stack.env_dir, "restart", "decode", timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # Past the proof's timeout (the restart took most of it), prefill is the same process.
+    time.sleep(max(0.0, resumed + PROOF_TIMEOUT_S + 2 - time.monotonic()))
+    assert stack.pid("prefill") == prefill_pid and all(p.is_running() for p in prefill)
+    assert stack.log("prefill").count(PROOF_FAILED) == failed_before
+    serves_a_fresh_request(stack)
+    wait_idle(stack, "prefill", timeout_s=60)
+    wait_idle(stack, "decode", timeout_s=60)
+    return line
+
+
 def decode_frozen_after_bootstrap(stack: Stack) -> None:
     """Decode has bootstrapped the room, then stops (its scheduler, which drives its side of
     the NIXL transfer): prefill's KV send never concludes, and patch 0003 fails the request

@@ -39,6 +39,7 @@ from engine_harness import (
     NodeExporter,
     Prometheus,
     decode_frozen_after_bootstrap,
+    decode_killed_while_prefill_stopped_mid_transfer,
     kill_decode_mid_stream,
     loads_files_in_shm,
     loads_files_left,
@@ -1022,6 +1023,17 @@ def test_prefill_restarted_while_a_room_is_quarantined_frees_the_room(cpu_stack)
     a restart quicker than two heartbeats left them held for good."""
     line, took = prefill_restarted_while_quarantined(cpu_stack)
     print(f"{took:.1f} s after the restart: {line}")
+
+
+def test_decode_killed_while_prefill_is_stopped_mid_transfer_prefill_proves_and_serves_on(
+    cpu_stack,
+):
+    """bench/chaos seed 3 fault 2 replayed at a fixed point: prefill stopped mid-transfer,
+    decode killed, prefill resumed. Prefill proves the room drained at once (its writes'
+    endpoint failed) instead of exiting after the proof's 30 s, and serves again once decode
+    is restarted (engine_harness.decode_killed_while_prefill_stopped_mid_transfer)."""
+    line = decode_killed_while_prefill_stopped_mid_transfer(cpu_stack, LONG_ROOM)
+    print(line)
 
 
 def test_decode_killed_mid_stream_the_client_sees_an_error_and_co_restart_recovers(
