@@ -14,6 +14,7 @@ import asyncio
 import socket
 import struct
 
+import aiohttp
 from aiohttp import web
 
 from bench.lib.proxy import FaultProxy
@@ -35,6 +36,7 @@ class ChaosProxy(FaultProxy):
         self.resetting = False
         self.held = 0  # requests waiting for a stall to end
         self.forwarding = 0  # requests being forwarded (their answer not fully written)
+        self.upstream_failures = 0  # requests the router refused or dropped
         self._inflight: set = set()  # transports with a request in flight
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -89,6 +91,15 @@ class ChaosProxy(FaultProxy):
             self.forwarding += 1
             try:
                 return await self._forward(request, body)
+            except (aiohttp.ClientConnectionError, OSError):
+                # The router refused or dropped the connection (a router restart): the client
+                # meets what it would without the proxy, a connection that fails, and aiohttp
+                # prints no handler traceback for it.
+                self.upstream_failures += 1
+                if transport is not None:
+                    reset(transport)
+                await asyncio.Event().wait()  # parked until aiohttp cancels the handler
+                raise
             finally:
                 self.forwarding -= 1
         finally:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import http.server
 import json
+import logging
 import re
 import shutil
 import signal
@@ -583,6 +584,37 @@ def test_the_proxy_holds_requests_during_a_stall_and_resets_them_during_a_reset(
                 await upstream.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_a_request_the_router_refuses_fails_its_client_connection_quietly(caplog):
+    """The router down (a router-restart): the proxy's client meets a failed connection, as it
+    would going straight to the router, not an answer the proxy made up, and aiohttp logs no
+    handler traceback for it (one per request filled the console during a restart)."""
+
+    async def scenario():
+        async def answer(_request):
+            return web.Response(text="answer")
+
+        upstream, url = await _served(answer, "/generate")
+        proxy = ChaosProxy(url)
+        await proxy.start()
+        await upstream.cleanup()  # the router's port now refuses
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+                try:
+                    async with s.get(proxy.url + "/generate") as resp:
+                        return f"{resp.status} {await resp.text()}"
+                except aiohttp.ClientError as exc:
+                    return type(exc).__name__
+        finally:
+            assert await proxy.idle(1.0)
+            await proxy.close()
+            assert proxy.upstream_failures >= 1
+
+    with caplog.at_level(logging.DEBUG, logger="aiohttp"):
+        got = asyncio.run(scenario())
+    assert got.startswith(("ClientOSError", "ServerDisconnected")), got
+    assert "Error handling request" not in caplog.text, caplog.text
 
 
 def test_alerts_are_waited_for_until_they_fire_and_until_they_resolve(monkeypatch):
