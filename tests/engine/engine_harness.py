@@ -680,6 +680,24 @@ def stop_after_first_chunk(stack: Stack, prefill: list[psutil.Process], batches:
     pytest.fail(f"prefill logged no batch in {MAX_STEPS} steps of {STEP_S} s")
 
 
+def send_and_stop_after_first_chunk(
+    stack: Stack, prefill: list[psutil.Process], long_body: dict
+) -> tuple[Call, int]:
+    """With prefill's scheduler stopped, send `long_body` through the router, wait until decode
+    queued the room for transfer (it sent prefill the room's destinations), then let prefill
+    run until it starts the room's first chunk (stop_after_first_chunk), stopped again. Returns
+    the request and the steps it took."""
+    batches = stack.log("prefill").count("Prefill batch")
+    call = Call(stack, long_body)
+    call.start()
+    wait_for(
+        lambda: loads.held(stack.loads("decode")).get("decode_transfer_queue_reqs") == 1,
+        stack.waiting_s / 2,
+        "decode sending the long room's destinations",
+    )
+    return call, stop_after_first_chunk(stack, prefill, batches)
+
+
 def generate(stack: Stack, body: dict) -> tuple[list[int], list[float]]:
     """A request through the router: its greedy output ids and their logprobs."""
     done = stack.post("/generate", {**body, "return_logprob": True}, timeout=180)
@@ -703,18 +721,9 @@ def prefill_frozen_mid_transfer(
     failed_before = stack.metrics("decode").get(FAILED, 0.0)
     quarantines_before = stack.metrics("decode").get(QUARANTINES, 0.0)
     prefill = stack.schedulers("prefill")
-    batches = stack.log("prefill").count("Prefill batch")
     suspend(prefill)
     try:
-        call = Call(stack, long_body)
-        call.start()
-        # Decode queues the room for transfer once it sent prefill the room's destinations.
-        wait_for(
-            lambda: loads.held(stack.loads("decode")).get("decode_transfer_queue_reqs") == 1,
-            stack.waiting_s / 2,
-            "decode sending the long room's destinations",
-        )
-        steps = stop_after_first_chunk(stack, prefill, batches)
+        call, steps = send_and_stop_after_first_chunk(stack, prefill, long_body)
         held = loads.held(stack.loads("decode"))
         print(f"prefill stopped after {steps} steps; decode holds {held}")
         assert held.get("decode_transfer_queue_reqs") == 1, held  # not sent whole
@@ -805,20 +814,13 @@ def decode_killed_while_prefill_stopped_mid_transfer(stack: Stack, long_body: di
     prefill_pid = stack.pid("prefill")
     prefill = stack.schedulers("prefill")
     log = stack.log("prefill")
-    batches, failed_before = log.count("Prefill batch"), log.count(PROOF_FAILED)
+    failed_before = log.count(PROOF_FAILED)
     proven_before = len(DRAIN_PROVEN.findall(log))
     decode = psutil.Process(stack.pid("decode"))
     decode_procs = [decode, *decode.children(recursive=True)]
     suspend(prefill)
     try:
-        call = Call(stack, long_body)
-        call.start()
-        wait_for(
-            lambda: loads.held(stack.loads("decode")).get("decode_transfer_queue_reqs") == 1,
-            stack.waiting_s / 2,
-            "decode sending the long room's destinations",
-        )
-        steps = stop_after_first_chunk(stack, prefill, batches)
+        call, steps = send_and_stop_after_first_chunk(stack, prefill, long_body)
         os.killpg(decode.pid, signal.SIGKILL)
         _gone, alive = psutil.wait_procs(decode_procs, timeout=30)
         assert not alive, alive

@@ -69,10 +69,11 @@ print(json.dumps(out))
 """
 
 
-def test_a_fence_that_is_done_proves_the_earlier_write_landed():
+def run_child(script: str) -> dict:
+    """Run a child script with UCX over TCP on loopback; the JSON it prints last."""
     env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo")
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(MODULE)],
+        [sys.executable, "-c", script, str(MODULE)],
         env=env,
         capture_output=True,
         text=True,
@@ -81,6 +82,11 @@ def test_a_fence_that_is_done_proves_the_earlier_write_landed():
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     print(got)
+    return got
+
+
+def test_a_fence_that_is_done_proves_the_earlier_write_landed():
+    got = run_child(CHILD)
     # The write was still in flight when the fence was posted (256 MiB over loopback TCP).
     assert got["write_posted"] == "PROC" and got["write_before_fence"] == "PROC"
     assert got["fence"] == "DONE"
@@ -168,17 +174,7 @@ def test_a_handle_to_a_killed_decode_settles_as_an_error_at_once():
     endpoint failed), both for a write in flight at the kill and for one posted after it, and
     the fence to that decode fails too. Read as running, it held the proof for its 30 s and
     then ended the prefill process (bench/chaos seed 3, fault 2)."""
-    env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="lo")
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD_KILLED_PEER, str(MODULE)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    print(got)
+    got = run_child(CHILD_KILLED_PEER)
     flight, before = got["in flight"], got["before the post"]
     assert flight["connected"] == before["connected"] == "DONE"
     assert flight["posted"] == "PROC"
