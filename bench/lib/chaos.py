@@ -212,6 +212,9 @@ async def generate(session: aiohttp.ClientSession, url: str, body: dict) -> dict
         return {"ok": False, "status": 200, "error": f"finished by {json.dumps(finish)[:200]}"}
     logprobs = [x[0] for x in meta.get("output_token_logprobs") or []]
     answer = {"ok": True, "status": 200, "output_ids": data.get("output_ids"), "logprobs": logprobs}
+    if meta.get("output_top_logprobs"):
+        # [[token, logprob], ...] per position, where the body asked for top_logprobs_num.
+        answer["top"] = [[[t[1], t[0]] for t in top or []] for top in meta["output_top_logprobs"]]
     if answer["output_ids"] is None:
         # A simulated engine answers text without token ids: the text is the answer compared.
         answer["text"] = data.get("text")
@@ -300,7 +303,8 @@ class Load:
                     record["text"] = result["text"]
                 want = self.refs.get(prompt, {}).get("logprobs") or []
                 got = result.get("logprobs") or []
-                if result["ok"] and want and len(got) == len(want):
+                same = result["output_ids"] == self.refs.get(prompt, {}).get("output_ids")
+                if result["ok"] and same and want and len(got) == len(want):
                     record["logprob_diff"] = max(abs(a - b) for a, b in zip(got, want, strict=True))
         if record["error"]:
             record["error"] = redact(record["error"], self.opts.api_key)
@@ -824,8 +828,11 @@ async def references(url: str, opts: Options, model: str) -> tuple[dict, str | N
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as s:
         for prompt in greedy_prompts(opts, model if opts.model_in_generate else ""):
             errors = []
+            # The top two logprobs at each position tell a tie the engine may break either
+            # way from a wrong answer (chaos_check.tie_break).
+            body = prompt.body | {"top_logprobs_num": 2}
             for _ in range(REFERENCE_TRIES):
-                got = await generate(s, url, prompt.body)
+                got = await generate(s, url, body)
                 if got["ok"]:
                     refs[prompt.name] = got
                     break
@@ -937,6 +944,7 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                     "output_ids": got["output_ids"],
                     **({"text": got["text"]} if "text" in got else {}),
                     "logprobs": got["logprobs"],
+                    **({"top": got["top"]} if "top" in got else {}),
                 }
             )
         load = Load(opts, shared, proxy.url if proxy else target.router_url, model, refs)

@@ -234,6 +234,42 @@ def test_a_wrong_answer_is_caught_and_an_error_is_not_one():
     )
 
 
+def test_an_answer_that_breaks_an_exact_tie_the_other_way_is_listed_not_wrong():
+    """Seed 21 on env/cpu (fault #21): short/5's reference [56, 308, 308, 345] had, at token 2,
+    308 and 345 at the same logprob (the tiny Llama's bf16 logits tie exactly: the engine's
+    own top logprobs, -5.3641772 both); one answer in 184 took 345 there. Not wrong, and
+    listed. A gap of one bf16 step (0.0117 at token 3 of the same reference) is no tie."""
+    top = [
+        [[56, -5.4971218], [413, -5.4971218]],
+        [[308, -5.4241605], [329, -5.4436917]],
+        [[308, -5.3641772], [345, -5.3641772]],
+        [[345, -5.3599706], [308, -5.3716893]],
+    ]
+    ref = REFERENCE | {"prompt": "short/5", "output_ids": [56, 308, 308, 345], "top": top}
+    history = clean_history()
+    history.insert(1, ref)
+    history.insert(4, request("short/1#7", 12.0, 13.0, output_ids=[56, 308, 345, 396]))
+    history[4]["prompt"] = "short/5"
+    assert chaos_check.check(history) == []
+    (tie,) = chaos_check.ties(history)
+    assert tie == {"id": "short/1#7", "prompt": "short/5", "window": "1"} | {
+        "at": 2,
+        "took": 345,
+        "reference": 308,
+    }
+    report = chaos_check.render(history, [])
+    assert "Ties: 1 greedy answer(s) took another token" in report
+    assert "short/1#7 (short/5, fault #1) took 345 for 308 at token 2" in report
+    for wrong in ([56, 308, 308, 308], [56, 308, 396, 396], [56, 329, 308, 345]):
+        history[4]["output_ids"] = wrong
+        (v,) = chaos_check.check(history)
+        assert v.invariant == chaos_check.WRONG, wrong
+    history[1] = ref | {"top": None}
+    history[4]["output_ids"] = [56, 308, 345, 396]
+    (v,) = chaos_check.check(history)
+    assert v.invariant == chaos_check.WRONG  # no top logprobs: no tie can be told
+
+
 def test_a_hang_is_caught_naming_the_request_and_its_bound():
     history = clean_history()
     # Cut off by the tool at its bound: a hang however long it took.
