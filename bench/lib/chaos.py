@@ -613,16 +613,21 @@ class Injector:
     async def _hold(self, part, record, triage_for, fault, triage_after_s, ready=None) -> None:
         """Hold the fault: triage during it where planned (after triage_after_s, and once
         ready() returns), then the rest of the drawn hold, then, with --prometheus, until the
-        fault's expected alerts fire."""
-        if triage_for is part:
-            await asyncio.sleep(triage_after_s)
-            if ready is not None:
-                await ready()
-            record["triage"] = await self.run_triage(fault)
-        rest = part.hold_s - (self.now() - record["start"])
-        if rest > 0:
-            await asyncio.sleep(rest)
-        await self._alerts_fire(part, record, fault)
+        fault's expected alerts fire. The alerts are watched from the start of the hold, so
+        each one's time is when it was first seen firing, not the end of the hold."""
+        watching = asyncio.create_task(self._alerts_fire(part, record, fault))
+        try:
+            if triage_for is part:
+                await asyncio.sleep(triage_after_s)
+                if ready is not None:
+                    await ready()
+                record["triage"] = await self.run_triage(fault)
+            rest = part.hold_s - (self.now() - record["start"])
+            if rest > 0:
+                await asyncio.sleep(rest)
+            await watching
+        finally:
+            watching.cancel()
 
     async def _alerts_fire(self, part, record, fault) -> None:
         wanted = chaos_plan.expected_alerts(fault)
@@ -700,10 +705,14 @@ class Injector:
             record["error"] = f"{part.target} runs in this tool's own process group; not killed"
             return
         os.killpg(pgid, signal.SIGKILL)
-        await asyncio.to_thread(psutil.wait_procs, group, KILL_EXIT_S)
-        if triage_for is part:
-            record["triage"] = await self.run_triage(fault)
-        await self._alerts_fire(part, record, fault)
+        watching = asyncio.create_task(self._alerts_fire(part, record, fault))
+        try:
+            await asyncio.to_thread(psutil.wait_procs, group, KILL_EXIT_S)
+            if triage_for is part:
+                record["triage"] = await self.run_triage(fault)
+            await watching  # the restart waits for the alerts (or --alert-wait-s)
+        finally:
+            watching.cancel()
         rc, out = await self.command("restart", part.target)
         record["rc"], record["output"] = rc, out[-2000:]
         if rc != 0:

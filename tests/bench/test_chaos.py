@@ -694,6 +694,42 @@ def test_alerts_are_waited_for_until_they_fire_and_until_they_resolve(monkeypatc
     asyncio.run(scenario())
 
 
+def test_a_held_faults_alert_time_is_when_it_fired_not_the_end_of_the_hold(monkeypatch):
+    """An engine-stop held 3 s whose alert fires 1 s in: the time recorded is about 1 s, not
+    3 s (seed 21 on env/cpu read every alert of a stop at its hold's end: "fired 8.0 s" for an
+    8.0 s hold, where PDInstanceDown fires about 4 s in)."""
+    monkeypatch.setattr(chaos_alerts, "POLL_S", 0.1)
+    state = {"firing": False}
+
+    async def alerts(_request):
+        labels = {"alertname": "PDInstanceDown", "pd_instance": "decode", "stack": "sm120pd"}
+        listed = [{"labels": labels, "state": "firing" if state["firing"] else "pending"}]
+        return web.json_response({"status": "success", "data": {"alerts": listed}})
+
+    async def scenario():
+        runner, url = await _served(alerts, "/api/v1/alerts")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        opts = types.SimpleNamespace(prometheus=url, alert_wait_s=10)
+        target = types.SimpleNamespace(stack=types.SimpleNamespace(unit_prefix="sm120pd"))
+        shared = types.SimpleNamespace(history=types.SimpleNamespace(now=lambda: loop.time() - t0))
+        injector = chaos.Injector(opts, target, shared, None, "m", None)
+        part = chaos_plan.Part("engine-stop", "decode", hold_s=3.0)
+        fault = chaos_plan.Fault(1, "engine-stop", 0.0, (part,))
+        record = {"start": 0.0}
+        loop.call_later(1.0, state.update, {"firing": True})
+        try:
+            await injector._hold(part, record, None, fault, 0.5)
+        finally:
+            await runner.cleanup()
+        return record, loop.time() - t0
+
+    record, took = asyncio.run(scenario())
+    ((alert),) = record["alerts"]
+    assert 0.9 < alert["fired"] < 2.0, record
+    assert took >= 3.0  # still held its drawn 3 s
+
+
 # ---- on a simulated 2P2D stack (launch/pd up --sim, the real smg) -------------------------------
 
 
