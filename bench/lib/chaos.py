@@ -134,6 +134,7 @@ class Options:
     recover_s: float
     command_timeout_s: float
     wedged_after_s: float
+    tie_logprob: float = chaos_check.TIE_LOGPROB
     sim: bool = False
     model_in_generate: bool = False
     prometheus: str | None = None
@@ -943,6 +944,7 @@ async def run(opts: Options, target: Target, schedule: list[chaos_plan.Fault], r
                 "proxy": proxy.url if proxy else None,
                 "prometheus": opts.prometheus,
                 "alert_wait_s": opts.alert_wait_s,
+                "tie_logprob": opts.tie_logprob,
             }
         )
         for name, got in refs.items():
@@ -1232,6 +1234,16 @@ def parser() -> argparse.ArgumentParser:
         "plus 1 s is not triaged",
     )
     p.add_argument(
+        "--tie-logprob",
+        type=_positive(float),
+        default=chaos_check.TIE_LOGPROB,
+        help="two tokens whose logprobs in a reference differ by at most this are tied: an "
+        "answer that takes the other one there is listed as a tie, not wrong. The default fits "
+        "env/cpu's tiny Llama (bf16 logits, answers equal to their reference within 5e-7); a "
+        "stack whose logprobs move more with the batch (the DSV4 stacks: up to 0.06) needs "
+        "more",
+    )
+    p.add_argument(
         "--prometheus",
         metavar="URL",
         default=None,
@@ -1380,6 +1392,7 @@ def main(argv: list[str] | None = None) -> int:
         recover_s=args.recover_s,
         command_timeout_s=args.command_timeout_s,
         wedged_after_s=args.wedged_after_s,
+        tie_logprob=args.tie_logprob,
         sim=args.sim,
         model_in_generate=target.stack.several,
         prometheus=args.prometheus,

@@ -66,7 +66,7 @@ def _run(history: list[dict]) -> dict:
 TIE_LOGPROB = 1e-4
 
 
-def tie_break(ref: dict, got: list[int]) -> dict | None:
+def tie_break(ref: dict, got: list[int], tolerance: float = TIE_LOGPROB) -> dict | None:
     """Where `got` leaves the reference's token ids at a position whose reference top
     logprobs (`top`: [[token, logprob], ...] per position) tie the token taken with the
     reference's: that position and the two tokens; None otherwise (equal answers included)."""
@@ -77,20 +77,26 @@ def tie_break(ref: dict, got: list[int]) -> dict | None:
         return None
     logprob = {int(t): lp for t, lp in top[at]}
     if want[at] in logprob and got[at] in logprob:
-        if abs(logprob[want[at]] - logprob[got[at]]) <= TIE_LOGPROB:
+        if abs(logprob[want[at]] - logprob[got[at]]) <= tolerance:
             return {"at": at, "took": got[at], "reference": want[at]}
     return None
+
+
+def tie_tolerance(history: list[dict]) -> float:
+    """The run's --tie-logprob."""
+    return float(_run(history).get("tie_logprob", TIE_LOGPROB))
 
 
 def ties(history: list[dict]) -> list[dict]:
     """The greedy answers that took the other side of a tie in their reference's logits
     (`tie_break`): not wrong, and listed in the report."""
     refs = {r["prompt"]: r for r in _of(history, "reference")}
+    tolerance = tie_tolerance(history)
     found = []
     for r in _of(history, "request"):
         ref = refs.get(r.get("prompt"))
         if r.get("kind") in GREEDY_KINDS and r.get("ok") and ref and r.get("output_ids"):
-            tie = tie_break(ref, r["output_ids"])
+            tie = tie_break(ref, r["output_ids"], tolerance)
             if tie is not None:
                 found.append({"id": r["id"], "prompt": r["prompt"], "window": r["window"]} | tie)
     return found
@@ -118,7 +124,10 @@ def wrong_answers(history: list[dict]) -> list[Violation]:
                         f"against its reference's {ref.get('text')!r:.60}",
                     )
                 )
-        elif r.get("output_ids") != want and tie_break(ref, r.get("output_ids") or []) is None:
+        elif (
+            r.get("output_ids") != want
+            and tie_break(ref, r.get("output_ids") or [], tie_tolerance(history)) is None
+        ):
             got = r.get("output_ids") or []
             at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
             at = min(len(got), len(want)) if at is None else at
@@ -458,7 +467,8 @@ def render(history: list[dict], violations: list[Violation]) -> str:
         lines += [
             "",
             f"Ties: {len(tied)} greedy answer(s) took another token where their reference's "
-            f"logprobs tie it with the reference's own (within {TIE_LOGPROB:g}), so not wrong: "
+            f"logprobs tie it with the reference's own (within {tie_tolerance(history):g}), so not "
+            f"wrong: "
             f"{shown}{' ...' if len(tied) > 5 else ''}.",
         ]
     diffs = [r["logprob_diff"] for r in _of(history, "request") if "logprob_diff" in r]

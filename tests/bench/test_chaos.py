@@ -264,6 +264,11 @@ def test_an_answer_that_breaks_an_exact_tie_the_other_way_is_listed_not_wrong():
         history[4]["output_ids"] = wrong
         (v,) = chaos_check.check(history)
         assert v.invariant == chaos_check.WRONG, wrong
+    # --tie-logprob 0.02 (the run record's): the one-step gap at token 3 is a tie too.
+    history[0] = RUN | {"tie_logprob": 0.02}
+    history[4]["output_ids"] = [56, 308, 308, 308]
+    assert chaos_check.check(history) == []
+    assert "(within 0.02)" in chaos_check.render(history, [])
     history[1] = ref | {"top": None}
     history[4]["output_ids"] = [56, 308, 345, 396]
     (v,) = chaos_check.check(history)
