@@ -41,6 +41,25 @@ class Out:
         print(self.redact(text), file=stream, flush=True)
 
 
+def _out_refusal(verb: str, args: argparse.Namespace) -> str:
+    """Why `verb` may not write into --out ('' when it may): not a directory, or not empty
+    without --force."""
+    out_dir: Path = args.out
+    if out_dir.exists() and not out_dir.is_dir():
+        return f"{verb}: --out {out_dir}: not a directory"
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not args.force:
+        return f"{verb}: --out {out_dir} exists and is not empty; --force writes over it"
+    return ""
+
+
+def _out_args(p: argparse.ArgumentParser) -> None:
+    """--out and --force of the verbs that render files."""
+    p.add_argument("--out", type=Path, required=True, help="directory to write into")
+    p.add_argument(
+        "--force", action="store_true", help="write into --out even when it is not empty"
+    )
+
+
 def _context(args):
     stack = load_stack(args.env_dir, args.sim, getattr(args, "timeout", None))
     return stack, supervisor_for(stack, args.env_dir), Out(stack.env.redactor())
@@ -468,14 +487,8 @@ def cmd_monitoring(args) -> int:
             print(f"monitoring: --{option.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
     out_dir: Path = args.out
-    if out_dir.exists() and not out_dir.is_dir():
-        print(f"monitoring: --out {out_dir}: not a directory", file=sys.stderr)
-        return 2
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not args.force:
-        print(
-            f"monitoring: --out {out_dir} exists and is not empty; --force writes over it",
-            file=sys.stderr,
-        )
+    if refused := _out_refusal("monitoring", args):
+        print(refused, file=sys.stderr)
         return 2
     stack = load_stack(args.env_dir, sim=False)
     windows = monitoring.windows(
@@ -540,13 +553,8 @@ def cmd_k8s(args) -> int:
         out("k8s: nothing written", err=True)
         return 2
     out_dir: Path = args.out
-    if out_dir.exists() and not out_dir.is_dir():
-        print(f"k8s: --out {out_dir}: not a directory", file=sys.stderr)
-        return 2
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not args.force:
-        print(
-            f"k8s: --out {out_dir} exists and is not empty; --force writes over it", file=sys.stderr
-        )
+    if refused := _out_refusal("k8s", args):
+        print(refused, file=sys.stderr)
         return 2
     stack = load_stack(args.env_dir, sim=False)
     out = Out(stack.env.redactor())
@@ -763,10 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="render a Prometheus scrape config (file_sd targets per role), alert rules and "
         "a Grafana dashboard for the stack",
     )
-    p.add_argument("--out", type=Path, required=True, help="directory to write into")
-    p.add_argument(
-        "--force", action="store_true", help="write into --out even when it is not empty"
-    )
+    _out_args(p)
     p.add_argument(
         "--scrape-interval",
         type=float,
@@ -866,10 +871,7 @@ def build_parser() -> argparse.ArgumentParser:
         "launch/k8s_schemas/, the Kubernetes API's own for core kinds) or smg's parser; "
         "nothing is written then. The API key is read from a Secret that this does not write.",
     )
-    p.add_argument("--out", type=Path, required=True, help="directory to write into")
-    p.add_argument(
-        "--force", action="store_true", help="write into --out even when it is not empty"
-    )
+    _out_args(p)
     p.add_argument(
         "--flavor",
         choices=k8s.FLAVORS,

@@ -45,6 +45,13 @@ def _key(item, index: int):
     return item.get("name", index) if isinstance(item, dict) else index
 
 
+def _block(head: str, text: str, pad: str) -> list[str]:
+    """`head |` (or `|-` without a final newline) and text's lines as a literal block."""
+    body = text[:-1] if text.endswith("\n") else text
+    lines = [f"{head} |{'' if text.endswith(chr(10)) else '-'}"]
+    return lines + [f"{pad}  {line}" if line else "" for line in body.split("\n")]
+
+
 def _lines(node, indent: int, path: tuple, comments: dict) -> list[str]:
     pad = " " * indent
     out: list[str] = []
@@ -61,9 +68,7 @@ def _lines(node, indent: int, path: tuple, comments: dict) -> list[str]:
                 out.append(head)
                 out += _lines(value, indent, here, comments)
             elif _literal(value):
-                out.append(f"{head} |{'' if value.endswith(chr(10)) else '-'}")
-                body = value[:-1] if value.endswith("\n") else value
-                out += [f"{pad}  {line}" if line else "" for line in body.split("\n")]
+                out += _block(head, value, pad)
             else:
                 out.append(f"{head} {_scalar(value)}")
         return out
@@ -75,9 +80,7 @@ def _lines(node, indent: int, path: tuple, comments: dict) -> list[str]:
             inner[first] = f"{pad}- {inner[first][indent + 2 :]}"
             out += inner
         elif _literal(item):
-            out.append(f"{pad}- |{'' if item.endswith(chr(10)) else '-'}")
-            body = item[:-1] if item.endswith("\n") else item
-            out += [f"{pad}  {line}" if line else "" for line in body.split("\n")]
+            out += _block(f"{pad}-", item, pad)
         else:
             out.append(f"{pad}- {_scalar(item)}")
     return out
