@@ -106,6 +106,7 @@ def wrong_answers(history: list[dict]) -> list[Violation]:
     """A greedy request that succeeded with other tokens than its reference (other text, where
     the reference has no token ids: a simulated engine's)."""
     refs = {r["prompt"]: r for r in _of(history, "reference")}
+    tolerance = tie_tolerance(history)
     found = []
     for r in _of(history, "request"):
         if r.get("kind") not in GREEDY_KINDS or not r.get("ok"):
@@ -126,7 +127,7 @@ def wrong_answers(history: list[dict]) -> list[Violation]:
                 )
         elif (
             r.get("output_ids") != want
-            and tie_break(ref, r.get("output_ids") or [], tie_tolerance(history)) is None
+            and tie_break(ref, r.get("output_ids") or [], tolerance) is None
         ):
             got = r.get("output_ids") or []
             at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
