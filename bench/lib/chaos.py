@@ -68,6 +68,7 @@ WAITING_TIMEOUT_DEFAULT_S = 300.0
 # How long after an engine-stop triage starts, and its probes' timeout: short, so that the
 # hold it extends stays short.
 TRIAGE_PROBE_S = 3.0
+TRIAGE_FAST_S = 2.0
 # Seconds a killed engine's processes may take to be reaped before its restart.
 KILL_EXIT_S = 15.0
 # Tries at each reference request on the healthy stack.
@@ -135,6 +136,8 @@ class Options:
     command_timeout_s: float
     wedged_after_s: float
     tie_logprob: float = chaos_check.TIE_LOGPROB
+    triage_fast_s: float = TRIAGE_FAST_S
+    triage_probe_s: float = TRIAGE_PROBE_S
     sim: bool = False
     model_in_generate: bool = False
     prometheus: str | None = None
@@ -531,9 +534,9 @@ class Injector:
             verdict = await triage(
                 client_url,
                 self.target.clients,
-                fast_s=2.0,
+                fast_s=self.opts.triage_fast_s,
                 window_s=1.0,
-                probe_timeout_s=TRIAGE_PROBE_S,
+                probe_timeout_s=self.opts.triage_probe_s,
                 model=self.model,
                 api_key=self.opts.api_key,
                 wedged_after_s=self.opts.wedged_after_s,
@@ -1234,6 +1237,22 @@ def parser() -> argparse.ArgumentParser:
         "plus 1 s is not triaged",
     )
     p.add_argument(
+        "--triage-fast-s",
+        type=_positive(float),
+        default=TRIAGE_FAST_S,
+        help="triage's bound for a healthy answer: a fresh connection answered within it "
+        "clears the engines. A stack whose one-token request takes longer (the DSV4 stacks "
+        "on a CPU: 10 to 30 s) needs more, or triage blames an engine that is only slow",
+    )
+    p.add_argument(
+        "--triage-probe-s",
+        type=_positive(float),
+        default=None,
+        help="seconds each triage probe (a one-token request, an engine's /v1/loads and "
+        "/health) may take; more than --triage-fast-s (default: the larger of "
+        f"{TRIAGE_PROBE_S:g} and --triage-fast-s + 1)",
+    )
+    p.add_argument(
         "--tie-logprob",
         type=_positive(float),
         default=chaos_check.TIE_LOGPROB,
@@ -1262,14 +1281,41 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def replay_base(args: argparse.Namespace, kinds: list[str]) -> str:
-    """The command that draws the same schedule (without --only-fault)."""
+# Options a replay leaves out: where results go, which fault, printing only, the key.
+_NOT_REPLAYED = {
+    "help",
+    "env_dir",
+    "sim",
+    "seed",
+    "faults",
+    "duration",
+    "kinds",
+    "hold_s",
+    "prometheus",
+    "only_fault",
+    "dry_run",
+    "out",
+    "api_key",
+}
+
+
+def replay_base(args: argparse.Namespace, kinds: list[str], parser: argparse.ArgumentParser) -> str:
+    """The command that draws the same schedule (without --only-fault) under the same load and
+    the same judgement: every other option given a value other than its default."""
     low, high = args.hold_s
+    rest = [
+        f"{a.option_strings[0]} {getattr(args, a.dest):g}"
+        if isinstance(getattr(args, a.dest), float)
+        else f"{a.option_strings[0]} {getattr(args, a.dest)}"
+        for a in parser._actions
+        if a.dest not in _NOT_REPLAYED and getattr(args, a.dest) != a.default
+    ]
     return (
         f"bench/chaos --env-dir {args.env_dir}{' --sim' if args.sim else ''} --seed {args.seed} "
         f"--faults {args.faults} --duration {args.duration:g} --kinds {','.join(kinds)} "
         f"--hold-s {low:g},{high:g}"
         + (f" --prometheus {args.prometheus}" if args.prometheus else "")
+        + "".join(f" {r}" for r in rest)
     )
 
 
@@ -1318,6 +1364,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"--kinds: unknown fault kind {kind!r}; the catalogue has "
                 f"{', '.join(chaos_plan.CATALOGUE)}"
             )
+    if args.triage_probe_s is not None and args.triage_probe_s <= args.triage_fast_s:
+        p.error(
+            f"--triage-probe-s {args.triage_probe_s:g}: a probe must be allowed more than "
+            f"--triage-fast-s ({args.triage_fast_s:g} s), or no answer counts as fast"
+        )
     if not args.env_dir.is_dir():
         p.error(f"--env-dir {args.env_dir}: not a directory")
     try:
@@ -1338,7 +1389,7 @@ def main(argv: list[str] | None = None) -> int:
     schedule = chaos_plan.draw(
         args.seed, args.faults, args.duration, kinds, instances, args.hold_s, args.sim
     )
-    replay = replay_base(args, kinds)
+    replay = replay_base(args, kinds, p)
     print(f"bench/chaos: seed {args.seed}, schedule ({replay}):")
     print(chaos_plan.render(schedule), flush=True)
     if args.only_fault is not None:
@@ -1393,6 +1444,8 @@ def main(argv: list[str] | None = None) -> int:
         command_timeout_s=args.command_timeout_s,
         wedged_after_s=args.wedged_after_s,
         tie_logprob=args.tie_logprob,
+        triage_fast_s=args.triage_fast_s,
+        triage_probe_s=args.triage_probe_s or max(TRIAGE_PROBE_S, args.triage_fast_s + 1),
         sim=args.sim,
         model_in_generate=target.stack.several,
         prometheus=args.prometheus,

@@ -10,6 +10,7 @@ import http.server
 import json
 import logging
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -392,12 +393,36 @@ def test_bad_input_is_refused_with_a_message_naming_it(tmp_path, capsys):
         (("--env-dir", "env/cpu", "--faults", "2", "--only-fault", "3"), "has 2 faults"),
         (("--env-dir", "env/cpu", "--hold-s", "5,2"), "wants 0 < MIN <= MAX"),
         (("--env-dir", "env/cpu", "--faults", "0"), "wants a number > 0"),
+        (
+            ("--env-dir", "env/cpu", "--triage-fast-s", "30", "--triage-probe-s", "30"),
+            "--triage-probe-s 30: a probe must be allowed more than --triage-fast-s (30 s)",
+        ),
     ]
     for args, said in cases:
         with pytest.raises(SystemExit) as ended:
             chaos.main(list(args))
         err = capsys.readouterr().err
         assert ended.value.code == 2 and said in err, (args, err)
+
+
+def test_the_replay_command_carries_the_load_and_judgement_options_but_not_the_key(capsys):
+    given = [
+        "--short-tokens", "4", "--wedged-after-s", "60", "--triage-fast-s", "40",
+        "--tie-logprob", "0.1", "--serve-s", "300", "--session-rounds", "2",
+    ]  # fmt: skip
+    args = ["--env-dir", "env/cpu", "--seed", "5", "--faults", "4", *given]
+    assert chaos.main([*args, "--api-key", "s3cret", "--out", "/nonexistent", "--dry-run"]) == 0
+    replay = capsys.readouterr().out.splitlines()[0].split("schedule (", 1)[1].rstrip("):")
+    assert "s3cret" not in replay and "--out" not in replay and "--api-key" not in replay
+    words = shlex.split(replay)
+    assert words[0] == "bench/chaos"
+    again, first = chaos.parser().parse_args(words[1:]), chaos.parser().parse_args(args)
+    # The kinds are spelled out (the ones env/cpu can run); every other option is as given.
+    assert again.kinds.split(",") == runnable(CPU)
+    for dest in vars(first).keys() - {"kinds"}:
+        assert getattr(again, dest) == getattr(first, dest), dest
+    # Options left at their default are not repeated.
+    assert "--short-clients" not in replay and "--recover-s" not in replay
 
 
 def test_a_stack_that_is_not_up_is_refused_before_anything_starts(tmp_path, capsys):
