@@ -69,6 +69,9 @@ WAITING_TIMEOUT_DEFAULT_S = 300.0
 # hold it extends stays short.
 TRIAGE_PROBE_S = 3.0
 TRIAGE_FAST_S = 2.0
+# A session's first message (words) and each round's max_tokens; each later message is 10 words.
+SESSION_WORDS = 30
+SESSION_TOKENS = 16
 # Seconds a killed engine's processes may take to be reaped before its restart.
 KILL_EXIT_S = 15.0
 # Tries at each reference request on the healthy stack.
@@ -137,6 +140,8 @@ class Options:
     wedged_after_s: float
     tie_logprob: float = chaos_check.TIE_LOGPROB
     triage_fast_s: float = TRIAGE_FAST_S
+    session_words: int = SESSION_WORDS
+    session_tokens: int = SESSION_TOKENS
     triage_probe_s: float = TRIAGE_PROBE_S
     sim: bool = False
     model_in_generate: bool = False
@@ -344,14 +349,18 @@ class Load:
         ) as s:
             while True:
                 session_no += 1
-                first = seeded_prompt(self.opts.seed, 20_000 + 100 * index + session_no, 30)
+                first = seeded_prompt(
+                    self.opts.seed, 20_000 + 100 * index + session_no, self.opts.session_words
+                )
                 messages = [{"role": "user", "content": first}]
                 for rnd in range(1, self.opts.session_rounds + 1):
                     if not await self._turn():
                         return
                     n += 1
                     window = self.shared.window
-                    request = ChatRequest(list(messages), 16, model=self.model)
+                    request = ChatRequest(
+                        list(messages), self.opts.session_tokens, model=self.model
+                    )
                     out, start, end = await self._bounded(stream_chat(s, self.url, request))
                     result = None if out is None else {"ok": out.success, "error": out.error}
                     name = f"session/{index}.{session_no} round {rnd}"
@@ -1193,6 +1202,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--long-tokens", type=_positive(int), default=8, help="long max_new_tokens")
     p.add_argument("--session-rounds", type=_positive(int), default=4, help="rounds per session")
     p.add_argument(
+        "--session-words",
+        type=_positive(int),
+        default=SESSION_WORDS,
+        help="words in a session's first message (each later one has 10)",
+    )
+    p.add_argument(
+        "--session-tokens",
+        type=_positive(int),
+        default=SESSION_TOKENS,
+        help="a session round's max_tokens",
+    )
+    p.add_argument(
         "--max-requests", type=_positive(int), default=20000, help="requests sent at most"
     )
     p.add_argument(
@@ -1435,6 +1456,8 @@ def main(argv: list[str] | None = None) -> int:
         short_tokens=args.short_tokens,
         long_tokens=args.long_tokens,
         session_rounds=args.session_rounds,
+        session_words=args.session_words,
+        session_tokens=args.session_tokens,
         max_requests=args.max_requests,
         gap_s=args.gap_s,
         error_pause_s=args.error_pause_s,
