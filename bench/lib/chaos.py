@@ -69,6 +69,7 @@ WAITING_TIMEOUT_DEFAULT_S = 300.0
 # hold it extends stays short.
 TRIAGE_PROBE_S = 3.0
 TRIAGE_FAST_S = 2.0
+TRIAGE_WINDOW_S = 1.0
 # A session's first message (words) and each round's max_tokens; each later message is 10 words.
 SESSION_WORDS = 30
 SESSION_TOKENS = 16
@@ -140,6 +141,7 @@ class Options:
     wedged_after_s: float
     tie_logprob: float = chaos_check.TIE_LOGPROB
     triage_fast_s: float = TRIAGE_FAST_S
+    triage_window_s: float = TRIAGE_WINDOW_S
     session_words: int = SESSION_WORDS
     session_tokens: int = SESSION_TOKENS
     triage_probe_s: float = TRIAGE_PROBE_S
@@ -544,7 +546,7 @@ class Injector:
                 client_url,
                 self.target.clients,
                 fast_s=self.opts.triage_fast_s,
-                window_s=1.0,
+                window_s=self.opts.triage_window_s,
                 probe_timeout_s=self.opts.triage_probe_s,
                 model=self.model,
                 api_key=self.opts.api_key,
@@ -1266,6 +1268,14 @@ def parser() -> argparse.ArgumentParser:
         "on a CPU: 10 to 30 s) needs more, or triage blames an engine that is only slow",
     )
     p.add_argument(
+        "--triage-window-s",
+        type=_positive(float),
+        default=TRIAGE_WINDOW_S,
+        help="seconds triage watches the engines' counters for progress (as bench/triage's "
+        "--window-s); a stack whose one forward pass takes longer needs more, or triage reads "
+        "an engine mid-pass as stalled",
+    )
+    p.add_argument(
         "--triage-probe-s",
         type=_positive(float),
         default=None,
@@ -1468,6 +1478,7 @@ def main(argv: list[str] | None = None) -> int:
         wedged_after_s=args.wedged_after_s,
         tie_logprob=args.tie_logprob,
         triage_fast_s=args.triage_fast_s,
+        triage_window_s=args.triage_window_s,
         triage_probe_s=args.triage_probe_s or max(TRIAGE_PROBE_S, args.triage_fast_s + 1),
         sim=args.sim,
         model_in_generate=target.stack.several,

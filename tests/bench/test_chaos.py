@@ -409,7 +409,7 @@ def test_the_replay_command_carries_the_load_and_judgement_options_but_not_the_k
     given = [
         "--short-tokens", "4", "--wedged-after-s", "60", "--triage-fast-s", "40",
         "--tie-logprob", "0.1", "--serve-s", "300", "--session-rounds", "2",
-        "--session-words", "8", "--session-tokens", "4",
+        "--session-words", "8", "--session-tokens", "4", "--triage-window-s", "45",
     ]  # fmt: skip
     args = ["--env-dir", "env/cpu", "--seed", "5", "--faults", "4", *given]
     assert chaos.main([*args, "--api-key", "s3cret", "--out", "/nonexistent", "--dry-run"]) == 0
