@@ -1264,8 +1264,9 @@ def parser() -> argparse.ArgumentParser:
         type=_positive(float),
         default=TRIAGE_FAST_S,
         help="triage's bound for a healthy answer: a fresh connection answered within it "
-        "clears the engines. A stack whose one-token request takes longer (the DSV4 stacks "
-        "on a CPU: 10 to 30 s) needs more, or triage blames an engine that is only slow",
+        "clears the engines. A stack whose requests take longer (a 12-token request on the "
+        "DSV4 stacks on a CPU: about 25 s) needs more, or triage blames an engine that is only "
+        "slow",
     )
     p.add_argument(
         "--triage-window-s",
