@@ -1313,7 +1313,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# Options a replay leaves out: where results go, which fault, printing only, the key.
+# Options replay_base does not repeat from the parser: those it writes itself (the schedule's),
+# and those a replay must not carry (which fault, printing only, where results go, the key).
 _NOT_REPLAYED = {
     "help",
     "env_dir",
